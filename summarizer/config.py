@@ -1,0 +1,291 @@
+"""The one typed config: nested dataclasses, YAML then `key.sub=value` overrides, validation."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from summarizer.errors import ConfigError
+
+
+@dataclass
+class RunConfig:
+    name: str = "base"
+    dir: str = ""  # default: checkpoints/<name>
+    tensorboard_dir: str = "runs"  # events go to <tensorboard_dir>/<name>
+
+
+@dataclass
+class DataConfig:
+    source: Any = ""  # "hf:NAME[:SUBSET]", a directory, or {split: [files]}
+    dir: str = "data/default"
+    source_field: str = "source"
+    target_field: str = "target"
+    references_field: str = "references"
+    # product split -> source split names (file stems or hub split names); missing names are skipped
+    splits: dict = field(default_factory=lambda: {
+        "train": ["train"], "valid": ["valid", "validation", "dev"], "test": ["test"]})
+    valid_holdout: int = 0  # >0: hold this many train pairs out as the valid split
+    lowercase: bool = False  # applied at prep and at `summarize`
+    mask_digits: bool = False  # every digit -> '#', as Gigaword's preprocessing did
+    max_source_words: int = 120  # cleaning: longer pairs are dropped and counted
+    max_target_words: int = 40
+    vocab_size: int = 8000
+    spm_model_type: str = "unigram"
+    spm_character_coverage: float = 1.0
+    spm_input_sentence_size: int = 2_000_000
+    num_proc: int = 2  # processes for offline tokenization
+    max_source_len: int = 128  # tokens; longer sources are truncated when batched
+    max_target_len: int = 48
+    batch_tokens: int = 3000  # token budget per micro-batch (padded source + target)
+    bucket_size: int = 100  # batches per length-sorted pool; larger = less padding, less randomness
+    num_workers: int = 2
+    pin_memory: bool = True  # only has an effect on CUDA
+    persistent_workers: bool = True
+    prefetch_factor: int = 4
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = 256
+    n_heads: int = 4
+    encoder_layers: int = 3
+    decoder_layers: int = 3
+    ffn_dim: int = 1024
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    max_positions: int = 512
+    copy: bool = True  # pointer-generator copy attention over source tokens
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1234
+    deterministic: bool = False  # torch.use_deterministic_algorithms
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    max_steps: int = 10_000
+    max_minutes: float = 0.0  # 0 = no time limit
+    accum_steps: int = 1
+    lr: float = 1e-3
+    warmup_steps: int = 400
+    schedule: str = "inverse_sqrt"  # inverse_sqrt | cosine | linear | constant
+    min_lr_ratio: float = 0.0  # floor for cosine/linear, as a fraction of lr
+    weight_decay: float = 0.01
+    betas: list = field(default_factory=lambda: [0.9, 0.98])
+    label_smoothing: float = 0.1
+    clip_norm: float = 1.0  # 0 = no clipping (the norm is still logged)
+    max_bad_steps: int = 5  # abort after this many non-finite steps in a row
+    set_to_none: bool = True
+    cudnn_benchmark: bool = True
+    compile: bool = False
+    log_every: int = 50  # host syncs (.item()) happen only here
+    eval_every: int = 500
+    rouge_every: int = 0  # 0 = off
+    rouge_samples: int = 200
+    select_by: str = "loss"  # loss | rouge
+    patience: int = 0  # evaluations without improvement before stopping; 0 = off
+    ckpt_every: int = 500
+    keep_last: int = 2
+    profile_steps: int = 0  # >0: torch.profiler trace of this many steps
+    sample_summaries: int = 3  # text samples logged to TensorBoard at each eval
+
+
+@dataclass
+class EvalConfig:
+    split: str = "test"
+    checkpoint: str = ""  # default: the run's best
+    out_dir: str = ""  # default: the run dir
+    beam_size: int = 4
+    batch_size: int = 64  # sentences per decoding batch
+    max_len: int = 30  # target tokens
+    min_len: int = 1
+    length_penalty: float = 1.0
+    no_repeat_ngram: int = 3  # 0 = off
+    lead_baselines: list = field(default_factory=lambda: [8, 10, 12])
+    bootstrap_samples: int = 1000
+    limit: int = 0  # decode only the first N pairs; 0 = all
+
+
+@dataclass
+class PlacementConfig:
+    encoder_device: str = ""
+    decoder_device: str = ""
+    pipeline_chunks: int = 1
+
+
+@dataclass
+class BenchConfig:
+    repeats: int = 5
+    warmup: int = 2
+    steps: int = 10  # optimizer steps per measured repeat
+    find_batch_tokens: bool = True
+    max_batch_tokens: int = 262_144
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir or f"checkpoints/{self.run.name}")
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return Path(self.run.tensorboard_dir) / self.run.name
+
+
+_CHOICES = {
+    ("train", "precision"): ("auto", "fp32", "bf16", "fp16"),
+    ("train", "schedule"): ("inverse_sqrt", "cosine", "linear", "constant"),
+    ("train", "select_by"): ("loss", "rouge"),
+    ("data", "spm_model_type"): ("unigram", "bpe"),
+    ("eval", "split"): ("train", "valid", "test"),
+}
+
+
+def _nearest(name: str, options, prefix: str = "") -> str:
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.0)
+    return f" Did you mean '{prefix}{match[0]}'?" if match else ""
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    """Check `value` against the annotated type; ints may widen to floats, nothing else converts."""
+    origin = typing.get_origin(typ) or typ
+    if typ is Any:
+        return value
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is float and isinstance(value, str):
+        # PyYAML follows YAML 1.1, where `3e-4` (no dot) is a string, not a float.
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if origin in (list, dict) and isinstance(value, origin):
+        return value
+    if isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(
+        f"{key} must be {getattr(origin, '__name__', origin)}, got {value!r} ({type(value).__name__})")
+
+
+def _merge(obj: Any, updates: dict, prefix: str = "") -> None:
+    hints = typing.get_type_hints(type(obj))
+    for name, value in updates.items():
+        key = f"{prefix}{name}"
+        if name not in hints:
+            raise ConfigError(f"unknown config key '{key}'.{_nearest(name, hints, prefix)}")
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} is a section; give it a mapping, not {value!r}")
+            _merge(current, value, prefix=f"{key}.")
+        else:
+            setattr(obj, name, _coerce(value, hints[name], key))
+
+
+def _nest(dotted: str, value: Any) -> dict:
+    out: dict = {}
+    node = out
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def parse_override(text: str) -> dict:
+    """`a.b=value` -> {"a": {"b": value}}; the value is parsed as YAML (so 1e-3, true, [1,2] work)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    if value is None:
+        value = ""
+    return _nest(key.strip(), value)
+
+
+def validate(cfg: Config) -> None:
+    for (section, name), options in _CHOICES.items():
+        value = getattr(getattr(cfg, section), name)
+        if value not in options:
+            raise ConfigError(f"{section}.{name} must be one of {options}, got {value!r}.{_nearest(str(value), options)}")
+    m, t, d = cfg.model, cfg.train, cfg.data
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    positive = {"model.d_model": m.d_model, "model.n_heads": m.n_heads, "model.ffn_dim": m.ffn_dim,
+                "model.encoder_layers": m.encoder_layers, "model.decoder_layers": m.decoder_layers,
+                "train.accum_steps": t.accum_steps, "train.max_steps": t.max_steps,
+                "train.log_every": t.log_every, "train.eval_every": t.eval_every,
+                "train.ckpt_every": t.ckpt_every, "data.batch_tokens": d.batch_tokens,
+                "data.vocab_size": d.vocab_size, "eval.beam_size": cfg.eval.beam_size,
+                "eval.batch_size": cfg.eval.batch_size, "placement.pipeline_chunks": cfg.placement.pipeline_chunks}
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    for key, value in {"model.dropout": m.dropout, "model.attention_dropout": m.attention_dropout,
+                       "train.label_smoothing": t.label_smoothing}.items():
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{key} must be in [0, 1), got {value}")
+    if d.vocab_size < 8:
+        raise ConfigError(f"data.vocab_size must be at least 8 (4 special ids + pieces), got {d.vocab_size}")
+    if d.max_source_len + 2 > m.max_positions or d.max_target_len + 2 > m.max_positions:
+        raise ConfigError("data.max_source_len/max_target_len (+2 for bos/eos) must fit model.max_positions")
+    if d.batch_tokens < d.max_source_len + d.max_target_len:
+        raise ConfigError(f"data.batch_tokens ({d.batch_tokens}) must hold one full-length pair "
+                          f"({d.max_source_len + d.max_target_len} tokens)")
+    if t.select_by == "rouge" and t.rouge_every <= 0:
+        raise ConfigError("train.select_by=rouge needs train.rouge_every > 0")
+    if d.num_workers < 0:
+        raise ConfigError("data.num_workers must be >= 0")
+    if not isinstance(d.splits, dict) or "train" not in d.splits:
+        raise ConfigError("data.splits must map 'train' (and optionally 'valid', 'test') to source split names")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Defaults, then the YAML file, then each override in order; validated."""
+    cfg = Config()
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist (see configs/ for examples)")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+        _merge(cfg, data)
+    for text in overrides:
+        _merge(cfg, parse_override(text))
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict) -> Config:
+    """Rebuild a Config from a checkpoint's dict; unknown keys fail loudly (format drift)."""
+    cfg = Config()
+    _merge(cfg, data)
+    return cfg
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
