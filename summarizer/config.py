@@ -31,6 +31,7 @@ class DataConfig:
     splits: dict = field(default_factory=lambda: {
         "train": ["train"], "valid": ["valid", "validation", "dev"], "test": ["test"]})
     valid_holdout: int = 0  # >0: hold this many train pairs out as the valid split
+    train_limit: int = 0  # >0: train on only the first N prepared train pairs (overfit checks)
     lowercase: bool = False  # applied at prep and at `summarize`
     mask_digits: bool = False  # every digit -> '#', as Gigaword's preprocessing did
     max_source_words: int = 120  # cleaning: longer pairs are dropped and counted
@@ -113,6 +114,12 @@ class EvalConfig:
 
 
 @dataclass
+class OverfitConfig:
+    max_loss: float = 0.05  # `make overfit` fails unless the final train NLL per token is below this
+    min_exact_match: float = 0.9  # ...and greedy decoding reproduces at least this share of targets
+
+
+@dataclass
 class PlacementConfig:
     encoder_device: str = ""
     decoder_device: str = ""
@@ -137,6 +144,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    overfit: OverfitConfig = field(default_factory=OverfitConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -1,0 +1,63 @@
+# Every target but `install` runs inside .venv. Usage: make TARGET CONFIG=configs/x.yaml ARGS="key=value ..."
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/base.yaml
+ARGS ?=
+# torch is installed first and pinned, so resolving the other dependencies never pulls another build.
+# Elsewhere, choose a build with e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
+TORCH_VERSION ?= 2.13.0
+TORCH_PIP_ARGS ?=
+TB_PORT ?= 6006
+
+.PHONY: install test prep train eval summarize overfit smoke bench tensorboard clean help
+
+help:
+	@echo "make install | test | prep | train | eval | summarize | overfit | smoke | bench | tensorboard | clean"
+	@echo "  CONFIG=$(CONFIG)  ARGS='key.sub=value ...'"
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==$(TORCH_VERSION) $(TORCH_PIP_ARGS)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -c "import torch, sentencepiece, datasets, rouge_score, tensorboard; print('installed torch', torch.__version__)"
+	touch $@
+
+# pytest exits 5 when it collected no test: that must fail, never pass silently.
+test: install
+	$(PY) -m pytest -q; rc=$$?; [ $$rc -ne 5 ] || echo "error: no tests were collected"; exit $$rc
+
+prep: install
+	$(PY) -m data_prep --config $(CONFIG) $(ARGS)
+
+train: install
+	$(PY) -m summarizer train --config $(CONFIG) $(ARGS)
+
+eval: install
+	$(PY) -m summarizer eval --config $(CONFIG) $(ARGS)
+
+summarize: install
+	$(PY) -m summarizer summarize --config $(CONFIG) $(ARGS)
+
+bench: install
+	$(PY) -m summarizer bench --config $(CONFIG) $(ARGS)
+
+overfit: install
+	$(PY) -m data_prep --config configs/overfit.yaml $(ARGS)
+	$(PY) -m summarizer overfit --config configs/overfit.yaml $(ARGS)
+
+smoke: install
+	$(PY) -m data_prep --config configs/tiny.yaml $(ARGS)
+	$(PY) -m summarizer train --config configs/tiny.yaml $(ARGS)
+	$(PY) -m summarizer eval --config configs/tiny.yaml $(ARGS)
+	head -n 3 tests/assets/tiny/test.jsonl | $(PY) -c "import json,sys; [print(json.loads(l)['source']) for l in sys.stdin]" \
+		| $(PY) -m summarizer summarize --config configs/tiny.yaml $(ARGS)
+
+tensorboard: install
+	$(VENV)/bin/tensorboard --logdir runs --port $(TB_PORT)
+
+clean:
+	rm -rf runs checkpoints/*/ data/tiny data/overfit .pytest_cache

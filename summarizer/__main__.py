@@ -1,0 +1,68 @@
+"""Command line: `python -m summarizer {train,eval,summarize,bench,overfit} --config FILE [key=value ...]`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from summarizer.config import load_config
+from summarizer.errors import UserError
+
+COMMANDS = {
+    "train": "train a run; resumes from the run's latest checkpoint",
+    "eval": "decode a split and write predictions + ROUGE report",
+    "summarize": "summarize text from stdin, one input per line",
+    "bench": "measure what each training practice buys on this machine",
+    "overfit": "train on a few pairs and fail unless the model memorises them",
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m summarizer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, text in COMMANDS.items():
+        cmd = sub.add_parser(name, help=text, description=text)
+        cmd.add_argument("--config", help="YAML experiment file (see configs/)")
+        cmd.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, applied in order")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "train":
+        from summarizer.train import train
+        summary = train(cfg)
+        print(f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best valid loss "
+              f"{summary['best']:.4f}; checkpoints in {summary['run_dir']}")
+        return 0
+    if args.command == "overfit":
+        from summarizer.overfit import overfit_check
+        return overfit_check(cfg)
+    if args.command == "eval":
+        from summarizer.evaluate import evaluate
+        report = evaluate(cfg)
+        print(json.dumps({k: report[k] for k in ("rouge1", "rouge2", "rougeL") if k in report}))
+        return 0
+    if args.command == "summarize":
+        from summarizer.evaluate import summarize_stream
+        summarize_stream(cfg, sys.stdin, sys.stdout)
+        return 0
+    from summarizer.bench import run_bench
+    run_bench(cfg)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

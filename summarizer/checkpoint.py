@@ -1,0 +1,112 @@
+"""Versioned, atomic checkpoints holding everything needed to resume exactly; latest/best pointers."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from summarizer.errors import CheckpointError, DataError
+
+FORMAT_VERSION = 1
+LATEST, BEST = "latest.json", "best.pt"
+
+
+def rng_state() -> dict:
+    # numpy's key array is stored as a tensor so that weights_only loading needs no numpy globals.
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_as_python_state(state["python"]))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_python_state(state):
+    # random.setstate wants tuples; a weights_only round trip may hand back lists.
+    return tuple(tuple(x) if isinstance(x, list) else x for x in state)
+
+
+def _atomic_write_bytes(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half
+
+
+def save(state: dict, path: Path) -> None:
+    """Write `state` (a dict of state_dicts and plain values) to path, atomically."""
+    state = {"format_version": FORMAT_VERSION, **state}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write_bytes(path, lambda fh: torch.save(state, fh))
+
+
+def load(path: str | Path, map_location="cpu") -> dict:
+    """Load with weights_only=True (no arbitrary code), checking the format version."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist; train first (`make train`) "
+                              f"or point eval.checkpoint at an existing .pt file")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError) as exc:
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a checkpoint ({exc.__class__.__name__}: "
+                              f"{str(exc).splitlines()[0][:200]}); delete it to fall back to an older one") from None
+    version = state.get("format_version") if isinstance(state, dict) else None
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {version}, this code reads "
+                              f"{FORMAT_VERSION}; use the release that wrote it")
+    return state
+
+
+def step_path(run_dir: Path, step: int) -> Path:
+    return run_dir / f"ckpt_{step:08d}.pt"
+
+
+def save_step(state: dict, run_dir: Path, keep_last: int) -> Path:
+    """Save a step checkpoint, point `latest` at it, then prune all but the newest `keep_last`."""
+    path = step_path(run_dir, state["step"])
+    save(state, path)
+    pointer = json.dumps({"checkpoint": path.name, "step": state["step"]}).encode()
+    _atomic_write_bytes(run_dir / LATEST, lambda fh: fh.write(pointer))
+    for old in sorted(run_dir.glob("ckpt_*.pt"))[:-max(keep_last, 1)]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def latest_path(run_dir: Path) -> Path | None:
+    """The newest loadable step checkpoint: the pointer's target, else the newest file present."""
+    pointer = run_dir / LATEST
+    if pointer.is_file():
+        try:
+            candidate = run_dir / json.loads(pointer.read_text())["checkpoint"]
+            if candidate.is_file():
+                return candidate
+        except (ValueError, KeyError):
+            pass
+    files = sorted(run_dir.glob("ckpt_*.pt"))
+    return files[-1] if files else None
+
+
+def check_tokenizer(ckpt_meta: dict, data_meta: dict, where: str) -> None:
+    """Refuse data whose tokenizer differs from the one the weights were trained with."""
+    have, want = data_meta.get("spm_sha256"), ckpt_meta.get("spm_sha256")
+    if have != want:
+        raise DataError(f"tokenizer mismatch: {where} was trained with tokenizer sha256 {str(want)[:12]}…, "
+                        f"but the prepared data uses {str(have)[:12]}…; point data.dir at the data the "
+                        f"model was trained on, or train a new run on this data")

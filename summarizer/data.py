@@ -1,0 +1,161 @@
+"""Batches from prepared data: memory-mapped pairs, a token-budget length-bucketed sampler, collate, loaders."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from summarizer.config import DataConfig
+from summarizer.prepared import load_split
+from summarizer.runtime import seed_worker
+from summarizer.tokenizer import BOS, EOS, PAD
+
+
+class PairDataset(Dataset):
+    """Source/target id sequences sliced out of flat memory-mapped arrays (no copy until collate).
+
+    Workers forked by the DataLoader share the mapped pages instead of each holding a copy.
+    """
+
+    def __init__(self, src: np.ndarray, src_offsets: np.ndarray, tgt: np.ndarray, tgt_offsets: np.ndarray,
+                 max_source_len: int, max_target_len: int):
+        self.src, self.src_offsets, self.tgt, self.tgt_offsets = src, src_offsets, tgt, tgt_offsets
+        self.max_source_len, self.max_target_len = max_source_len, max_target_len
+        # Lengths as the model sees them: truncated source; target plus one BOS/EOS position.
+        self.src_lens = np.minimum(np.diff(src_offsets), max_source_len).astype(np.int64)
+        self.tgt_lens = np.minimum(np.diff(tgt_offsets), max_target_len).astype(np.int64) + 1
+
+    @classmethod
+    def from_dir(cls, data_dir: str | Path, split: str, cfg: DataConfig, limit: int = 0) -> "PairDataset":
+        src, src_offsets, tgt, tgt_offsets = load_split(data_dir, split)
+        if limit > 0:  # the first `limit` pairs: offsets are cut, the flat arrays stay mapped as they are
+            src_offsets, tgt_offsets = src_offsets[:limit + 1], tgt_offsets[:limit + 1]
+        return cls(src, src_offsets, tgt, tgt_offsets, cfg.max_source_len, cfg.max_target_len)
+
+    def __len__(self) -> int:
+        return len(self.src_lens)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        s0, t0 = self.src_offsets[i], self.tgt_offsets[i]
+        return (self.src[s0:s0 + self.src_lens[i]],
+                self.tgt[t0:t0 + self.tgt_lens[i] - 1])
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        # DataLoader's batched fetch path: one call per batch instead of one per pair.
+        return [self[i] for i in indices]
+
+
+def collate(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+    """Pad to the longest pair: src_ids (B, S); tgt_in = BOS + y and tgt_out = y + EOS, both (B, T)."""
+    n = len(pairs)
+    s_max = max(len(s) for s, _ in pairs)
+    t_max = max(len(t) for _, t in pairs) + 1
+    src = np.full((n, s_max), PAD, dtype=np.int64)
+    tgt_in = np.full((n, t_max), PAD, dtype=np.int64)
+    tgt_out = np.full((n, t_max), PAD, dtype=np.int64)
+    n_src = n_tgt = 0
+    for row, (s, t) in enumerate(pairs):
+        src[row, :len(s)] = s
+        tgt_in[row, 0] = BOS
+        tgt_in[row, 1:len(t) + 1] = t
+        tgt_out[row, :len(t)] = t
+        tgt_out[row, len(t)] = EOS
+        n_src += len(s)
+        n_tgt += len(t) + 1
+    # Token counts are plain ints computed here, so the loop never syncs a device to learn them.
+    return {"src_ids": torch.from_numpy(src), "tgt_in": torch.from_numpy(tgt_in),
+            "tgt_out": torch.from_numpy(tgt_out), "n_src": n_src, "n_tgt": n_tgt}
+
+
+def token_budget_batches(order: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray,
+                         batch_tokens: int) -> list[list[int]]:
+    """Greedily cut `order` into batches whose padded size B * (max_src + max_tgt) fits the budget."""
+    batches, current, s_max, t_max = [], [], 0, 0
+    for i in order.tolist():
+        s, t = max(s_max, src_lens[i]), max(t_max, tgt_lens[i])
+        if current and (len(current) + 1) * (s + t) > batch_tokens:
+            batches.append(current)
+            current, s, t = [], src_lens[i], tgt_lens[i]
+        current.append(i)
+        s_max, t_max = s, t
+    if current:
+        batches.append(current)
+    return batches
+
+
+class TokenBatchSampler(Sampler[list[int]]):
+    """Length-bucketed token-budget batches: seeded, resumable at any batch, sharded by rank.
+
+    Each epoch: a seeded permutation is cut into pools of about `bucket_size` batches; each pool is
+    sorted by length so batches hold pairs of similar length (little padding), then the order of all
+    batches is shuffled so lengths do not trend through the epoch. The plan is a pure function of
+    (seed, epoch), so resuming at (epoch, position) replays exactly the batches an uninterrupted run
+    would see, on every rank.
+    """
+
+    def __init__(self, src_lens: np.ndarray, tgt_lens: np.ndarray, batch_tokens: int, bucket_size: int = 100,
+                 shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1, even: bool = True):
+        self.src_lens, self.tgt_lens = src_lens, tgt_lens
+        self.batch_tokens, self.bucket_size, self.shuffle, self.seed = batch_tokens, bucket_size, shuffle, seed
+        self.rank, self.world_size, self.even = rank, world_size, even
+        self.epoch, self.start = 0, 0
+        self._plan: tuple[int, list[list[int]]] | None = None
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Iterate epoch `epoch` from this rank's batch number `start` (0 = the beginning)."""
+        self.epoch, self.start = epoch, start
+
+    def plan(self, epoch: int) -> list[list[int]]:
+        """This rank's batches for `epoch` (cached: the plan is deterministic)."""
+        if self._plan is not None and self._plan[0] == epoch:
+            return self._plan[1]
+        # Sort by source length, then target length: both are padded separately, so both must match.
+        by_length = lambda idx: idx[np.lexsort((self.tgt_lens[idx], self.src_lens[idx]))]  # noqa: E731
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, epoch])
+            perm = rng.permutation(len(self.src_lens))
+            mean_len = max(float((self.src_lens + self.tgt_lens).mean()), 1.0)
+            pool = max(1, int(self.bucket_size * self.batch_tokens / mean_len))
+            order = np.concatenate([by_length(chunk) for chunk in np.array_split(perm, max(1, len(perm) // pool))])
+        else:
+            order = by_length(np.arange(len(self.src_lens)))
+        batches = token_budget_batches(order, self.src_lens, self.tgt_lens, self.batch_tokens)
+        if self.shuffle:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        # Training ranks must run the same number of steps, or DDP's all-reduce would wait forever;
+        # evaluation (even=False) keeps every batch, since it only sums at the end.
+        usable = len(batches) - len(batches) % self.world_size if self.even else len(batches)
+        mine = batches[self.rank:usable:self.world_size]
+        self._plan = (epoch, mine)
+        return mine
+
+    def __iter__(self):
+        yield from self.plan(self.epoch)[self.start:]
+
+    def __len__(self) -> int:
+        return len(self.plan(self.epoch)) - self.start
+
+
+def make_loader(dataset: PairDataset, sampler: TokenBatchSampler, cfg: DataConfig,
+                device: torch.device, seed: int) -> DataLoader:
+    workers = cfg.num_workers
+    extra = {"persistent_workers": cfg.persistent_workers, "prefetch_factor": cfg.prefetch_factor} if workers else {}
+    return DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+        # Page-locked host buffers make host->GPU copies faster and allow them to be asynchronous.
+        pin_memory=cfg.pin_memory and device.type == "cuda",
+        worker_init_fn=seed_worker,
+        # A private generator: creating an iterator must not draw from the global RNG, or a resumed
+        # run (which creates one more iterator) would see different dropout masks.
+        generator=torch.Generator().manual_seed(seed), **extra)
+
+
+def padding_fraction(batches: list[list[int]], src_lens: np.ndarray, tgt_lens: np.ndarray) -> float:
+    """Share of padded positions in the given batches (a measure of how well bucketing works)."""
+    real = padded = 0
+    for b in batches:
+        real += int(src_lens[b].sum() + tgt_lens[b].sum())
+        padded += len(b) * int(src_lens[b].max() + tgt_lens[b].max())
+    return 1.0 - real / max(padded, 1)

@@ -1,0 +1,213 @@
+"""The encoder-decoder Transformer with copy attention: pure math over token ids.
+
+No device, precision or multi-process code lives here: placement, mixed precision
+and wrapping are applied from outside (summarizer/runtime.py). Shapes use
+B = batch, S = source length, T = target length, D = d_model, H = heads,
+V = vocabulary.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from summarizer.config import ModelConfig
+
+PAD_ID = 0
+
+
+def sinusoidal_positions(n: int, d_model: int) -> Tensor:
+    """(n, D) fixed sinusoids (Vaswani et al. 2017, sec. 3.5): no parameters to fit on little data."""
+    pos = torch.arange(n, dtype=torch.float32).unsqueeze(1)
+    div = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(n, d_model)
+    table[:, 0::2] = torch.sin(pos * div)
+    table[:, 1::2] = torch.cos(pos * div)
+    return table
+
+
+class Attention(nn.Module):
+    """Multi-head attention through F.scaled_dot_product_attention (fused kernels on CPU and CUDA)."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float):
+        super().__init__()
+        self.n_heads, self.dropout = n_heads, dropout
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        b, n, d = x.shape  # (B, N, D) -> (B, H, N, D/H)
+        return x.view(b, n, self.n_heads, d // self.n_heads).transpose(1, 2)
+
+    def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = self.kv_proj(x).chunk(2, dim=-1)
+        return self.split_heads(k), self.split_heads(v)
+
+    def forward(self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                is_causal: bool = False) -> Tensor:
+        q = self.split_heads(self.q_proj(x))  # (B, H, Tq, D/H)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0)
+        b, _, tq, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(b, tq, -1))  # (B, Tq, D)
+
+
+class FeedForward(nn.Sequential):
+    def __init__(self, d_model: int, ffn_dim: int, dropout: float):
+        super().__init__(nn.Linear(d_model, ffn_dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(ffn_dim, d_model))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.dropout)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        h = self.norm1(x)  # pre-LN: the residual path stays an identity, so no warm-up tricks are needed
+        x = x + self.drop(self.attn(h, *self.attn.project_kv(h), mask=mask))
+        return x + self.drop(self.ffn(self.norm2(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
+        self.self_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.cross_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.dropout)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor,
+                cache: dict | None, name: str) -> Tensor:
+        h = self.norm1(x)
+        k, v = self.self_attn.project_kv(h)  # (B, H, T_new, D/H)
+        if cache is not None and f"{name}.k" in cache:
+            k = torch.cat([cache[f"{name}.k"], k], dim=2)  # (B, H, T_past + T_new, D/H)
+            v = torch.cat([cache[f"{name}.v"], v], dim=2)
+        if cache is not None:
+            cache[f"{name}.k"], cache[f"{name}.v"] = k, v
+        # Causal masking is only needed when several new positions are decoded at once; a single
+        # new position may see the whole (cached) past.
+        x = x + self.drop(self.self_attn(h, k, v, is_causal=x.shape[1] > 1))
+        x = x + self.drop(self.cross_attn(self.norm2(x), *memory_kv, mask=src_mask))
+        return x + self.drop(self.ffn(self.norm3(x)))
+
+
+class Seq2Seq(nn.Module):
+    """Pre-LN Transformer encoder-decoder; one embedding for source, target and output projection.
+
+    With `cfg.copy`, a pointer-generator head (See et al. 2017, https://arxiv.org/abs/1704.04368)
+    mixes the vocabulary distribution with an attention distribution over the source tokens, so
+    rare names and numbers seen in the source can be copied even when the vocabulary barely
+    knows them: the strongest inductive bias for headline generation from little data.
+    """
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.embedding = nn.Embedding(vocab_size, cfg.d_model, padding_idx=PAD_ID)
+        self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model), persistent=False)
+        self.embed_drop = nn.Dropout(cfg.dropout)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.encoder_norm = nn.LayerNorm(cfg.d_model)
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.decoder_norm = nn.LayerNorm(cfg.d_model)
+        if cfg.copy:
+            self.copy_query = nn.Linear(cfg.d_model, cfg.d_model)
+            self.copy_key = nn.Linear(cfg.d_model, cfg.d_model)
+            self.copy_gate = nn.Linear(2 * cfg.d_model, 1)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+        # Tied embeddings are scaled by sqrt(D) on input, so start them at std D^-1/2.
+        nn.init.normal_(self.embedding.weight, std=self.cfg.d_model ** -0.5)
+        with torch.no_grad():
+            self.embedding.weight[PAD_ID].zero_()
+
+    # -- encoder ---------------------------------------------------------------------------
+    def embed(self, ids: Tensor, offset: int = 0) -> Tensor:
+        """(B, N) ids -> (B, N, D) scaled embeddings plus positions offset..offset+N."""
+        x = self.embedding(ids) * math.sqrt(self.cfg.d_model)
+        return self.embed_drop(x + self.positions[offset:offset + ids.shape[1]].to(x.dtype))
+
+    @staticmethod
+    def source_mask(src_ids: Tensor) -> Tensor:
+        """(B, S) ids -> (B, 1, 1, S) bool, True where attention is allowed (real tokens)."""
+        return (src_ids != PAD_ID)[:, None, None, :]
+
+    def run_encoder(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        """(B, S, D) embedded source -> (B, S, D) memory. Split from `embed` so placement can hop devices."""
+        for layer in self.encoder_layers:
+            x = layer(x, src_mask)
+        return self.encoder_norm(x)
+
+    def encode(self, src_ids: Tensor) -> Tensor:
+        return self.run_encoder(self.embed(src_ids), self.source_mask(src_ids))
+
+    # -- decoder ---------------------------------------------------------------------------
+    def memory_kv(self, memory: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Cross-attention keys/values per decoder layer, computed once per source and reused each step."""
+        return [layer.cross_attn.project_kv(memory) for layer in self.decoder_layers]
+
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None = None) -> Tensor:
+        """(B, T) target prefix ids -> (B, T, V) float32 log-probabilities.
+
+        With `cache` (a dict, empty at the first step), only the new positions of `tgt_in` are
+        fed and past keys/values are reused: incremental decoding in O(T) per step.
+        """
+        past = cache.get("length", 0) if cache is not None else 0
+        src_mask = self.source_mask(src_ids)
+        if cache is not None and "memory_kv" not in cache:
+            cache["memory_kv"] = self.memory_kv(memory)
+        memory_kvs = cache["memory_kv"] if cache is not None else self.memory_kv(memory)
+        x = self.embed(tgt_in, offset=past)  # (B, T, D)
+        for i, layer in enumerate(self.decoder_layers):
+            x = layer(x, memory_kvs[i], src_mask, cache, name=f"layer{i}")
+        h = self.decoder_norm(x)  # (B, T, D)
+        if cache is not None:
+            cache["length"] = past + tgt_in.shape[1]
+        logits = F.linear(h, self.embedding.weight)  # (B, T, V), tied output projection
+        if not self.cfg.copy:
+            return F.log_softmax(logits.float(), dim=-1)
+        return self.mix_copy(h, logits, memory, src_ids, src_mask)
+
+    def mix_copy(self, h: Tensor, logits: Tensor, memory: Tensor, src_ids: Tensor, src_mask: Tensor) -> Tensor:
+        """p(w) = g * p_vocab(w) + (1 - g) * sum_{s: src_s = w} attn_s, computed in float32."""
+        scores = self.copy_query(h) @ self.copy_key(memory).transpose(1, 2)  # (B, T, S)
+        scores = scores.float() / math.sqrt(self.cfg.d_model)
+        scores = scores.masked_fill(~src_mask[:, 0], float("-inf"))  # mask (B, 1, S) broadcasts over T
+        attn = scores.softmax(dim=-1)  # (B, T, S)
+        context = attn.to(memory.dtype) @ memory  # (B, T, D)
+        gate = torch.sigmoid(self.copy_gate(torch.cat([h, context], dim=-1)).float())  # (B, T, 1)
+        probs = gate * logits.float().softmax(dim=-1)  # (B, T, V)
+        index = src_ids[:, None, :].expand(-1, h.shape[1], -1)  # (B, T, S)
+        probs = probs.scatter_add(2, index, (1.0 - gate) * attn)
+        return probs.clamp_min(1e-12).log()
+
+    def forward(self, src_ids: Tensor, tgt_in: Tensor) -> Tensor:
+        """(B, S) source ids, (B, T) target prefix ids -> (B, T, V) float32 log-probabilities."""
+        return self.decode(tgt_in, self.encode(src_ids), src_ids)
+
+
+def reorder_cache(cache: dict, index: Tensor) -> dict:
+    """Select batch rows of every cached tensor (beam search reordering)."""
+    out: dict = {"length": cache["length"]}
+    out["memory_kv"] = [(k.index_select(0, index), v.index_select(0, index)) for k, v in cache["memory_kv"]]
+    for key, value in cache.items():
+        if key not in out:
+            out[key] = value.index_select(0, index)
+    return out
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,141 @@
+"""What a run records: TensorBoard events, metrics.jsonl, memory figures, the progress bar, the manifest."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from summarizer.config import Config, to_dict
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: peak bytes held by tensors (the caching allocator reserves more; nvidia-smi shows that).
+    CPU: the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def current_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def memory_report(device: torch.device) -> str:
+    if device.type == "cuda":
+        return (f"allocated {torch.cuda.memory_allocated(device) / 2**20:.0f} MiB, reserved "
+                f"{torch.cuda.memory_reserved(device) / 2**20:.0f} MiB, peak "
+                f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB")
+    return f"resident {current_memory_mb(device):.0f} MiB, peak {peak_memory_mb(device):.0f} MiB"
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], precision: str,
+                   data_meta: dict, world_size: int) -> dict:
+    """Everything needed to say later exactly what produced this run's numbers."""
+    manifest = {
+        "python": sys.version.split()[0], "platform": platform.platform(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+        "devices": [torch.cuda.get_device_name(d) if d.type == "cuda" else platform.processor() or "cpu"
+                    for d in devices],
+        "cpu_threads": torch.get_num_threads(), "world_size": world_size, "precision": precision,
+        "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
+        "seed": cfg.train.seed, "command": sys.argv,
+        "data": {k: data_meta.get(k) for k in ("spm_sha256", "fingerprint", "vocab_size", "splits")},
+        "config": to_dict(cfg),
+    }
+    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+    return manifest
+
+
+class Monitor:
+    """Rank 0 writes; other ranks hold a Monitor that does nothing, so the loop has no `if rank` noise."""
+
+    def __init__(self, cfg: Config, active: bool, start_step: int, total_steps: int):
+        self.active = active
+        self.metrics_path = cfg.run_dir / "metrics.jsonl"
+        self.writer = None
+        self.bar = None
+        if not active:
+            return
+        _truncate_metrics(self.metrics_path, start_step)
+        from torch.utils.tensorboard import SummaryWriter
+        # purge_step drops events a killed run wrote after its last checkpoint, so curves do not fold back.
+        self.writer = SummaryWriter(str(cfg.tensorboard_dir), purge_step=start_step + 1 if start_step else None)
+        self.bar = tqdm(total=total_steps, initial=start_step, desc=f"train {cfg.run.name}", unit="step",
+                        dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
+
+    def log(self, step: int, split: str, values: dict) -> None:
+        if not self.active:
+            return
+        record = {"step": step, "split": split, **{k: _plain(v) for k, v in values.items()}}
+        with open(self.metrics_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if key not in ("step", "split") and isinstance(value, (int, float)):
+                self.writer.add_scalar(f"{split}/{key}", value, step)
+        if split == "train" and self.bar is not None:
+            self.bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{values['tokens_per_s']:.0f}")
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self.active:
+            self.writer.add_text(tag, text, step)
+
+    def advance(self, steps: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def write(self, message: str) -> None:
+        if self.active:
+            (self.bar.write if self.bar is not None else print)(message)
+
+    def hparams(self, hparams: dict, metrics: dict) -> None:
+        if self.active:
+            flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in hparams.items()}
+            self.writer.add_hparams(flat, metrics, run_name="hparams")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _plain(value):
+    return round(value, 6) if isinstance(value, float) else value
+
+
+def _truncate_metrics(path: Path, start_step: int) -> None:
+    """On resume, drop records past the checkpoint: the resumed run logs those steps again."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= start_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def flatten(cfg: Config) -> dict:
+    """{'train.lr': 1e-3, ...} for TensorBoard's hparams table."""
+    out = {}
+    for section, values in to_dict(cfg).items():
+        for key, value in values.items():
+            out[f"{section}.{key}"] = value
+    return out

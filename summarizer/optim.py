@@ -1,0 +1,43 @@
+"""AdamW with decoupled weight decay (none on biases, norms, embeddings) and a warm-up schedule."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from summarizer.config import TrainConfig
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        # Decay only matrices of linear layers: decaying norms, biases and the shared embedding
+        # pulls rare-token rows to zero, which hurts a small-data model most.
+        (decay if p.dim() >= 2 and "embedding" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=None lets torch pick its multi-tensor kernels where the device supports them.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8)
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of cfg.lr after `step` optimizer steps: linear warm-up, then the chosen decay."""
+    warmup = max(cfg.warmup_steps, 1)
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "inverse_sqrt":
+        return math.sqrt(warmup / (step + 1))
+    progress = min((step - warmup) / max(cfg.max_steps - warmup, 1), 1.0)
+    if cfg.schedule == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:  # linear
+        shape = 1.0 - progress
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))

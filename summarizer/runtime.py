@@ -1,0 +1,236 @@
+"""Where and how the model runs: device, seeding, determinism, precision, DDP and model-parallel placement."""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from summarizer.config import Config
+from summarizer.errors import ConfigError
+
+
+@dataclass
+class Runtime:
+    device: torch.device  # inputs go here (the encoder's device)
+    decoder_device: torch.device  # == device unless the model is split
+    precision: str  # resolved: fp32 | bf16 | fp16
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def autocast(self, device: torch.device | None = None):
+        """Mixed precision as torch.amp does it: matmuls in 16 bit, reductions and norms in fp32."""
+        device = device or self.device
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def move(x: Tensor, device: torch.device) -> Tensor:
+    # non_blocking is only safe towards CUDA: a non-blocking copy into host memory may be read
+    # before it lands (https://pytorch.org/tutorials/intermediate/pinmem_nonblock.html).
+    return x.to(device, non_blocking=device.type == "cuda")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name in ("", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device '{name}'; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device '{name}' asked for, but this machine has no CUDA GPU; use cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device '{name}' asked for, but only {torch.cuda.device_count()} GPU(s) exist")
+    elif device.type != "cpu":
+        raise ConfigError(f"device type '{device.type}' is not supported; use cpu or cuda")
+    return device
+
+
+@lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    """AVX-512 BF16 or AMX: oneDNN then runs bf16 matmuls natively, faster than fp32."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    if device.type == "cuda":
+        bf16_ok = torch.cuda.is_bf16_supported()
+        if requested == "auto":
+            return "bf16" if bf16_ok else "fp16"
+        if requested == "bf16" and not bf16_ok:
+            raise ConfigError("train.precision=bf16 needs an Ampere or newer GPU; use fp16 (with loss scaling)")
+        return requested
+    if requested == "auto":
+        return "bf16" if cpu_has_fast_bf16() else "fp32"
+    if requested == "fp16":
+        raise ConfigError("train.precision=fp16 is a CUDA mode (it needs loss scaling and fast fp16 kernels); "
+                          "on CPU use bf16 or fp32")
+    return requested
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed python, numpy and torch (all devices); optionally forbid non-deterministic kernels."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    if deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic (CUDA docs, "Reproducibility").
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader worker_init_fn: derive numpy/random seeds from torch's per-worker seed."""
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def setup(cfg: Config) -> Runtime:
+    """Initialise the process group when launched by torchrun, pick devices and precision."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    placement = cfg.placement
+    split = bool(placement.encoder_device or placement.decoder_device) and \
+        placement.encoder_device != placement.decoder_device
+    if split:
+        device = resolve_device(placement.encoder_device or cfg.train.device)
+        decoder_device = resolve_device(placement.decoder_device or cfg.train.device)
+    else:
+        device = resolve_device(placement.encoder_device or cfg.train.device)
+        if device.type == "cuda" and world_size > 1:
+            device = torch.device("cuda", local_rank)
+        decoder_device = device
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" and decoder_device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark and not cfg.train.deterministic
+        # TF32 matmuls on Ampere+: fp32 accuracy is not needed for the fp32 master path of training.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    precision = resolve_precision(cfg.train.precision, decoder_device)
+    return Runtime(device, decoder_device, precision, rank, world_size, local_rank)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class PlacedSeq2Seq(nn.Module):
+    """Model parallel: encoder layers on one device, embedding and decoder on another.
+
+    The one shared embedding (source, target and output projection) lives with the decoder, where
+    two of its three uses are: source ids are embedded there and the embeddings hop to the encoder
+    device, so a single Parameter gets every gradient and no copy has to be kept in sync. The
+    memory hops back for cross-attention. Autograd carries gradients across `.to()` both ways.
+    With `chunks > 1` the batch is split in micro-batches and, because CUDA launches are
+    asynchronous, the encoder of chunk i+1 runs while the decoder of chunk i does (GPipe-style).
+    """
+
+    def __init__(self, model: nn.Module, encoder_device: torch.device, decoder_device: torch.device,
+                 chunks: int = 1):
+        super().__init__()
+        self.inner, self.enc_dev, self.dec_dev, self.chunks = model, encoder_device, decoder_device, chunks
+        model.to(decoder_device)
+        model.encoder_layers.to(encoder_device)
+        model.encoder_norm.to(encoder_device)
+
+    def encode(self, src_ids: Tensor) -> Tensor:
+        src_dec = move(src_ids, self.dec_dev)
+        x = move(self.inner.embed(src_dec), self.enc_dev)  # (B, S, D) on the encoder device
+        memory = self.inner.run_encoder(x, self.inner.source_mask(move(src_ids, self.enc_dev)))
+        return move(memory, self.dec_dev)
+
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None = None) -> Tensor:
+        return self.inner.decode(move(tgt_in, self.dec_dev), move(memory, self.dec_dev),
+                                 move(src_ids, self.dec_dev), cache)
+
+    def forward(self, src_ids: Tensor, tgt_in: Tensor) -> Tensor:
+        if self.chunks <= 1:
+            return self.decode(tgt_in, self.encode(src_ids), src_ids)
+        src_chunks, tgt_chunks = src_ids.chunk(self.chunks), tgt_in.chunk(self.chunks)
+        memories = [self.encode(src_chunks[0])]
+        outputs = []
+        for i in range(len(src_chunks)):
+            if i + 1 < len(src_chunks):  # queue the next encoder chunk before this decoder chunk
+                memories.append(self.encode(src_chunks[i + 1]))
+            outputs.append(self.decode(tgt_chunks[i], memories[i], src_chunks[i]))
+        return torch.cat(outputs, dim=0)
+
+
+def place_model(model: nn.Module, rt: Runtime, chunks: int = 1) -> nn.Module:
+    if rt.device != rt.decoder_device:
+        return PlacedSeq2Seq(model, rt.device, rt.decoder_device, chunks)
+    return model.to(rt.device)
+
+
+def wrap_ddp(model: nn.Module, rt: Runtime) -> nn.Module:
+    if not rt.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    if rt.device != rt.decoder_device:
+        # A module spanning two devices: DDP requires device_ids=None (DDP docs).
+        return DDP(model, device_ids=None, broadcast_buffers=False)
+    # The only buffer is the constant position table: broadcasting it every forward is wasted traffic.
+    return DDP(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+               broadcast_buffers=False)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The pure Seq2Seq inside any DDP / placement / compile wrappers (what checkpoints store)."""
+    while True:
+        if hasattr(model, "module"):
+            model = model.module
+        elif isinstance(model, PlacedSeq2Seq):
+            model = model.inner
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def decoding_model(model: nn.Module) -> nn.Module:
+    """The module decoding calls `encode`/`decode` on: the placement wrapper if any, never DDP."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
+
+
+def make_scaler(rt: Runtime) -> torch.amp.GradScaler:
+    """Loss scaling for fp16 only: bf16 has fp32's exponent range and needs none."""
+    return torch.amp.GradScaler(rt.decoder_device.type, enabled=rt.precision == "fp16")
+
+
+def all_reduce_sum(value: Tensor, rt: Runtime) -> Tensor:
+    if rt.distributed:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value

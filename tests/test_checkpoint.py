@@ -1,0 +1,63 @@
+import json
+
+import pytest
+import torch
+
+from summarizer import checkpoint
+from summarizer.errors import CheckpointError, DataError
+
+
+def test_atomic_save_keeps_last_k_and_points_at_latest(tmp_path):
+    for step in (10, 20, 30):
+        checkpoint.save_step({"step": step, "w": torch.ones(2) * step}, tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_00000020.pt", "ckpt_00000030.pt"]
+    assert json.loads((tmp_path / "latest.json").read_text())["step"] == 30
+    assert checkpoint.load(checkpoint.latest_path(tmp_path))["w"][0] == 30
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_crash_while_writing_leaves_previous_loadable(tmp_path, monkeypatch):
+    checkpoint.save_step({"step": 1, "w": torch.zeros(1)}, tmp_path, keep_last=2)
+
+    def crash(obj, fh):
+        fh.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError):
+        checkpoint.save_step({"step": 2, "w": torch.ones(1)}, tmp_path, keep_last=2)
+    monkeypatch.undo()
+    latest = checkpoint.latest_path(tmp_path)
+    assert latest.name == "ckpt_00000001.pt" and checkpoint.load(latest)["step"] == 1
+
+
+def test_pointer_to_missing_file_falls_back(tmp_path):
+    checkpoint.save_step({"step": 5}, tmp_path, keep_last=3)
+    (tmp_path / "latest.json").write_text(json.dumps({"checkpoint": "ckpt_gone.pt", "step": 9}))
+    assert checkpoint.latest_path(tmp_path).name == "ckpt_00000005.pt"
+
+
+def test_clear_errors_for_missing_corrupt_and_foreign_files(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint.load(tmp_path / "nope.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        checkpoint.load(tmp_path / "junk.pt")
+    torch.save({"format_version": 999}, tmp_path / "future.pt")
+    with pytest.raises(CheckpointError, match="format version 999"):
+        checkpoint.load(tmp_path / "future.pt")
+
+
+def test_rng_state_round_trip(tmp_path):
+    import random
+    import numpy as np
+    checkpoint.save({"rng": checkpoint.rng_state()}, tmp_path / "r.pt")
+    first = (random.random(), np.random.rand(), torch.rand(1).item())
+    checkpoint.set_rng_state(checkpoint.load(tmp_path / "r.pt")["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+
+
+def test_tokenizer_mismatch_is_refused():
+    checkpoint.check_tokenizer({"spm_sha256": "abc"}, {"spm_sha256": "abc"}, "run x")
+    with pytest.raises(DataError, match="tokenizer mismatch"):
+        checkpoint.check_tokenizer({"spm_sha256": "abc"}, {"spm_sha256": "def"}, "run x")

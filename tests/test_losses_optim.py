@@ -1,0 +1,51 @@
+import math
+
+import pytest
+import torch
+
+from summarizer.config import TrainConfig
+from summarizer.losses import smoothed_nll
+from summarizer.optim import build_optimizer, lr_factor
+
+
+def test_nll_matches_cross_entropy_and_ignores_padding():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 10)
+    target = torch.tensor([[5, 6, 3, 0], [1, 3, 0, 0]])
+    log_probs = logits.log_softmax(-1)
+    loss, nll = smoothed_nll(log_probs, target, 0.0)
+    ref = torch.nn.functional.cross_entropy(logits.view(-1, 10), target.view(-1), ignore_index=0, reduction="sum")
+    assert torch.allclose(loss, ref) and torch.allclose(nll, ref)
+
+
+def test_label_smoothing_matches_torch():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 12)
+    target = torch.randint(1, 12, (3, 5))
+    target[0, 3:] = 0
+    loss, _ = smoothed_nll(logits.log_softmax(-1), target, 0.1)
+    ref = torch.nn.functional.cross_entropy(logits.view(-1, 12), target.view(-1), ignore_index=0,
+                                            label_smoothing=0.1, reduction="sum")
+    assert torch.allclose(loss, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["inverse_sqrt", "cosine", "linear", "constant"])
+def test_schedules_warm_up_then_decay(schedule):
+    cfg = TrainConfig(warmup_steps=10, max_steps=100, schedule=schedule)
+    factors = [lr_factor(s, cfg) for s in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert all(a <= b for a, b in zip(factors[:10], factors[1:10]))
+    if schedule != "constant":
+        assert factors[-1] < factors[10]
+    if schedule == "inverse_sqrt":
+        assert factors[39] == pytest.approx(math.sqrt(10 / 40))
+
+
+def test_no_weight_decay_on_norms_biases_embedding():
+    from summarizer.config import ModelConfig
+    from summarizer.model import Seq2Seq
+    model = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32), 20)
+    decay, no_decay = build_optimizer(model, TrainConfig(weight_decay=0.1)).param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"])
+    assert any(p is model.embedding.weight for p in no_decay["params"])

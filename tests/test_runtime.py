@@ -1,0 +1,47 @@
+import pytest
+import torch
+
+from summarizer import runtime
+from summarizer.config import ModelConfig, load_config
+from summarizer.errors import ConfigError
+from summarizer.model import Seq2Seq
+
+
+@pytest.mark.parametrize("name, message", [("tpu", "unknown device|not supported"), ("cuda:0", "no CUDA GPU")])
+def test_invalid_devices_are_refused_clearly(name, message):
+    if torch.cuda.is_available() and name.startswith("cuda"):
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match=message):
+        runtime.resolve_device(name)
+
+
+def test_precision_resolution_on_cpu():
+    cpu = torch.device("cpu")
+    assert runtime.resolve_precision("auto", cpu) == ("bf16" if runtime.cpu_has_fast_bf16() else "fp32")
+    assert runtime.resolve_precision("bf16", cpu) == "bf16"
+    with pytest.raises(ConfigError, match="fp16 is a CUDA mode"):
+        runtime.resolve_precision("fp16", cpu)
+
+
+def test_seeding_makes_runs_repeatable():
+    runtime.seed_everything(7)
+    a = torch.rand(3)
+    runtime.seed_everything(7)
+    assert torch.equal(a, torch.rand(3))
+
+
+def test_placement_cpu_cpu_matches_single_device():
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, n_heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=64, dropout=0.0)
+    model = Seq2Seq(cfg, 40).eval()
+    src, tgt = torch.randint(4, 40, (4, 6)), torch.randint(4, 40, (4, 5))
+    ref = model(src, tgt)
+    placed = runtime.PlacedSeq2Seq(model, torch.device("cpu"), torch.device("cpu"), chunks=2)
+    assert torch.allclose(placed(src, tgt), ref, atol=1e-6)
+    assert runtime.unwrap(placed) is model
+
+
+def test_setup_single_process_cpu():
+    rt = runtime.setup(load_config(None, ["train.device=cpu", "train.precision=fp32"]))
+    assert rt.device == rt.decoder_device == torch.device("cpu") and rt.world_size == 1 and rt.is_main
+    assert not runtime.make_scaler(rt).is_enabled()
