@@ -1,0 +1,247 @@
+"""Raw pairs from a hub dataset, a directory of split files or a {split: [files]} mapping, via `datasets` builders."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import datasets
+from datasets import Dataset, Features, List, Value
+
+from summarizer.config import DataConfig
+from summarizer.errors import ConfigError, DataError
+
+PRODUCT_SPLITS = ("train", "valid", "test")
+# Every reader returns exactly these columns, so splits from different files concatenate.
+FEATURES = Features({"source": Value("string"), "target": Value("string"),
+                     "references": List(Value("string"))})
+_SUFFIXES = (".jsonl.gz", ".jsonl", ".csv", ".article.txt", ".title.txt")
+
+
+def is_hub(source) -> bool:
+    return isinstance(source, str) and source.startswith("hf:")
+
+
+def _split_name(path: Path) -> tuple[str, str] | None:
+    """(NAME, suffix) for a recognised split file, else None."""
+    for suffix in _SUFFIXES:
+        if path.name.endswith(suffix) and len(path.name) > len(suffix):
+            return path.name[: -len(suffix)], suffix
+    return None
+
+
+def _scan_directory(root: Path) -> dict[str, list[Path]]:
+    """Source split name -> its files (one data file, or a Rush article/title pair)."""
+    found: dict[str, dict[str, Path]] = {}
+    for path in sorted(root.iterdir()):
+        named = _split_name(path) if path.is_file() else None
+        if named:
+            found.setdefault(named[0], {})[named[1]] = path
+    splits = {}
+    for name, by_suffix in found.items():
+        rush = {s: by_suffix.pop(s) for s in (".article.txt", ".title.txt") if s in by_suffix}
+        if len(rush) == 1:
+            have, = rush.values()
+            want = root / (name + (".title.txt" if have.name.endswith(".article.txt") else ".article.txt"))
+            raise DataError(f"{have} has no partner file {want}: Rush-style splits need both "
+                            f"NAME.article.txt and NAME.title.txt")
+        if len(by_suffix) + bool(rush) > 1:
+            names = [p.name for p in by_suffix.values()] + [p.name for p in rush.values()]
+            raise DataError(f"split '{name}' in {root} is given by several files ({', '.join(names)}): "
+                            f"keep one format per split name")
+        splits[name] = [rush[".article.txt"]] if rush else list(by_suffix.values())
+    if not splits:
+        raise DataError(f"{root} holds no split files: expected NAME.jsonl, NAME.jsonl.gz, NAME.csv, "
+                        f"or NAME.article.txt + NAME.title.txt")
+    return splits
+
+
+def _mapping_files(source: dict) -> dict[str, list[Path]]:
+    splits = {}
+    for split, files in source.items():
+        if split not in PRODUCT_SPLITS:
+            raise ConfigError(f"data.source maps unknown split '{split}': use {', '.join(PRODUCT_SPLITS)}")
+        files = [files] if isinstance(files, str) else files
+        paths = [Path(f) for f in files]
+        for path in paths:
+            if not path.is_file():
+                raise DataError(f"data.source lists {path} for split '{split}', but it does not exist: fix the path")
+            if _split_name(path) is None or path.name.endswith(".title.txt"):
+                raise DataError(f"{path} has an unknown format: list .jsonl, .jsonl.gz, .csv, or the "
+                                f"NAME.article.txt of a Rush pair (its NAME.title.txt is read alongside)")
+        splits[split] = paths
+    return splits
+
+
+def local_files(source) -> dict[str, list[Path]]:
+    """Split name -> input files for a directory or a mapping source (not the hub)."""
+    if isinstance(source, dict):
+        return _mapping_files(source)
+    if not isinstance(source, str) or not source:
+        raise ConfigError("data.source is empty: set it to hf:NAME[:SUBSET], a directory, "
+                          "or (in YAML) a mapping {train: [files], ...}")
+    root = Path(source)
+    if not root.is_dir():
+        raise DataError(f"data.source directory {root} does not exist: fix the path, or use hf:NAME for a hub dataset")
+    return _scan_directory(root)
+
+
+def split_mapping(cfg: DataConfig, available: list[str]) -> dict[str, list[str]]:
+    """Product split -> the available source split names mapped to it (empty product splits left out)."""
+    if isinstance(cfg.source, dict):
+        return {split: [split] for split in available}
+    unknown = set(cfg.splits) - set(PRODUCT_SPLITS)
+    if unknown:
+        raise ConfigError(f"data.splits has unknown product split(s) {sorted(unknown)}: "
+                          f"use {', '.join(PRODUCT_SPLITS)}")
+    mapping = {}
+    for product, names in cfg.splits.items():
+        names = [names] if isinstance(names, str) else list(names)
+        present = [n for n in names if n in available]
+        if present:
+            mapping[product] = present
+    if "train" not in mapping:
+        raise DataError(f"no train split in {cfg.source!r}: data.splits.train={cfg.splits.get('train')} but the "
+                        f"source has {sorted(available)}; name a train file or map one, e.g. "
+                        f"data.splits.train=[{sorted(available)[0] if available else 'NAME'}]")
+    return mapping
+
+
+def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
+    """(1-based line number, reason) of the first line that is not a JSON object, or None."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw.decode("utf-8-sig", errors="replace"))
+            except json.JSONDecodeError as exc:
+                return number, f"malformed JSON: {exc.msg} at column {exc.colno}"
+            if not isinstance(record, dict):
+                return number, f"expected a JSON object, got {type(record).__name__}"
+    return None
+
+
+# Undecodable bytes become U+FFFD, so cleaning drops (and counts) just those pairs instead of the
+# whole file failing. The json builder only re-decodes when the encoding is not literally "utf-8";
+# "utf-8-sig" is the same codec and also tolerates a leading byte-order mark.
+_DECODE = {"json": {"encoding": "utf-8-sig", "encoding_errors": "replace"},
+           "csv": {"encoding_errors": "replace"}, "text": {"encoding_errors": "replace"}}
+
+
+def _load_builder(builder: str, path: Path, cache_dir: Path) -> Dataset:
+    if path.stat().st_size == 0:
+        raise DataError(f"{path} is empty: remove it or fill it with pairs")
+    try:
+        ds = datasets.load_dataset(builder, data_files={"data": str(path)}, split="data",
+                                   cache_dir=str(cache_dir), **_DECODE[builder])
+    except Exception as exc:  # datasets wraps parser errors and does not say which line
+        bad = _first_bad_json_line(path) if builder == "json" else None
+        if bad:
+            raise DataError(f"{path}:{bad[0]}: {bad[1]}: fix or remove that line") from None
+        raise DataError(f"cannot read {path} ({type(exc).__name__}: {exc.__cause__ or exc}): "
+                        f"check that it is valid {builder.upper()}") from None
+    if len(ds) == 0:
+        raise DataError(f"{path} holds no rows: remove it or fill it with pairs")
+    return ds
+
+
+def _standardize(ds: Dataset, cfg: DataConfig, origin: str) -> Dataset:
+    """Rename the configured fields to source/target/references and cast to FEATURES."""
+    for field, key in ((cfg.source_field, "source_field"), (cfg.target_field, "target_field")):
+        if field not in ds.column_names:
+            raise DataError(f"{origin} has no field '{field}' (it has {ds.column_names}): "
+                            f"set data.{key} to the right name")
+    has_refs = cfg.references_field in ds.column_names
+    keep = [cfg.source_field, cfg.target_field] + ([cfg.references_field] if has_refs else [])
+    ds = ds.select_columns(keep)
+    ds = ds.rename_columns({old: new for old, new in zip(keep, ("source", "target", "references")) if old != new})
+    if not has_refs:
+        ds = ds.add_column("references", [[]] * len(ds))
+    try:
+        return ds.cast(FEATURES)
+    except Exception as exc:  # e.g. references given as a string, or a nested object as the source
+        raise DataError(f"{origin}: fields {keep} cannot be read as text (source, target) and a list of "
+                        f"texts (references): {type(exc).__name__}: {' '.join(str(exc).split())}; "
+                        f"fix the data or the data.*_field names") from None
+
+
+def _rush_title(article: Path) -> Path:
+    return article.with_name(article.name[: -len(".article.txt")] + ".title.txt")
+
+
+def _load_rush(article: Path, cache_dir: Path) -> Dataset:
+    title = _rush_title(article)
+    if not title.is_file():
+        raise DataError(f"{article} has no partner file {title}: Rush-style splits need both files")
+    texts = [_load_builder("text", p, cache_dir) for p in (article, title)]
+    if len(texts[0]) != len(texts[1]):
+        raise DataError(f"{article} has {len(texts[0])} lines but {title} has {len(texts[1])}: line i of "
+                        f"one must pair with line i of the other; fix the files (nothing was truncated)")
+    ds = datasets.concatenate_datasets([texts[0].rename_column("text", "source"),
+                                        texts[1].rename_column("text", "target")], axis=1)
+    return ds.add_column("references", [[]] * len(ds)).cast(FEATURES)
+
+
+def load_file(path: Path, cfg: DataConfig, cache_dir: Path) -> Dataset:
+    if not path.is_file():
+        raise DataError(f"{path} does not exist: fix data.source")
+    if path.name.endswith(".article.txt"):
+        return _load_rush(path, cache_dir)
+    builder = "csv" if path.name.endswith(".csv") else "json"
+    return _standardize(_load_builder(builder, path, cache_dir), cfg, str(path))
+
+
+def load_hub(source: str, cache_dir: Path) -> datasets.DatasetDict:
+    """hf:NAME[:SUBSET] -> the hub's DatasetDict, with its own split names and columns."""
+    name, _, subset = source[len("hf:"):].partition(":")
+    if not name:
+        raise ConfigError(f"data.source={source!r} names no dataset: write hf:NAME or hf:NAME:SUBSET")
+    try:
+        try:
+            return datasets.load_dataset(name, subset or None, cache_dir=str(cache_dir))
+        except RuntimeError as exc:
+            if "script" not in str(exc).lower():
+                raise
+            # datasets >= 4 no longer runs loading scripts (Harvard/gigaword is one); the hub keeps an
+            # automatic Parquet conversion of such repos on this revision.
+            return datasets.load_dataset(name, subset or None, cache_dir=str(cache_dir),
+                                         revision="refs/convert/parquet")
+    except Exception as exc:  # network, unknown name, missing subset: all surface here
+        raise DataError(f"cannot load hub dataset {name!r}{f' subset {subset!r}' if subset else ''} "
+                        f"({type(exc).__name__}: {exc}): check the name and your network, or point "
+                        f"data.source at a local directory") from None
+
+
+def load_splits(cfg: DataConfig, cache_dir: Path) -> tuple[dict[str, Dataset], list[str]]:
+    """Product split -> concatenated standardized Dataset, and the source split names left unmapped."""
+    if is_hub(cfg.source):
+        hub = load_hub(cfg.source, cache_dir)
+        available = list(hub)
+
+        def read(name: str) -> Dataset:
+            return _standardize(hub[name], cfg, f"hub dataset {cfg.source} split {name}")
+    else:
+        files = local_files(cfg.source)
+        available = list(files)
+
+        def read(name: str) -> Dataset:
+            return datasets.concatenate_datasets([load_file(p, cfg, cache_dir) for p in files[name]])
+    mapping = split_mapping(cfg, available)
+    used = [name for names in mapping.values() for name in names]
+    raw = {name: read(name) for name in dict.fromkeys(used)}  # only mapped splits are read
+    splits = {product: datasets.concatenate_datasets([raw[name] for name in names])
+              for product, names in mapping.items()}
+    return splits, sorted(set(available) - set(used))
+
+
+def input_files(cfg: DataConfig) -> list[Path]:
+    """The local files the mapped splits read, Rush titles included (what the prep fingerprint covers)."""
+    files = local_files(cfg.source)
+    mapping = split_mapping(cfg, list(files))
+    paths = []
+    for names in mapping.values():
+        for path in (p for name in names for p in files[name]):
+            paths += [path, _rush_title(path)] if path.name.endswith(".article.txt") else [path]
+    return paths

@@ -1,0 +1,102 @@
+"""Offline tokenization of cleaned splits into flat token arrays + offsets, and atomic writing of every output."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from datasets import Dataset, Features, List, Value
+
+from summarizer.prepared import split_files
+from summarizer.tokenizer import Tokenizer
+
+
+@contextlib.contextmanager
+def atomic_open(path: Path, mode: str = "wb"):
+    """Write to `<path>.tmp`, then rename over path: a crash never leaves a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    # ids run 0..vocab_size-1, so a 65,536-piece vocabulary still fits uint16 (half the bytes of int32)
+    return np.dtype(np.uint16 if vocab_size <= 65536 else np.int32)
+
+
+class _Encoder:
+    """Batched encode for `Dataset.map`; pickled to worker processes, where the model is loaded once."""
+
+    def __init__(self, model_path: Path, sha256: str):
+        # sha256 is part of the pickled state, so datasets' fingerprint of this map changes with the model.
+        self.model_path, self.sha256, self._tokenizer = str(model_path), sha256, None
+
+    def __getstate__(self):
+        return {"model_path": self.model_path, "sha256": self.sha256, "_tokenizer": None}
+
+    def __call__(self, batch: dict) -> dict:
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer(self.model_path)
+        return {"src_ids": self._tokenizer.encode_batch(batch["source"]),
+                "tgt_ids": self._tokenizer.encode_batch(batch["target"])}
+
+
+def encode_split(pairs: Dataset, model_path: Path, sha256: str, name: str, num_proc: int | None) -> Dataset:
+    """Columns src_ids, tgt_ids (no BOS/EOS: the data loader adds them), in the order of `pairs`."""
+    features = Features({"src_ids": List(Value("int32")), "tgt_ids": List(Value("int32"))})
+    return pairs.map(_Encoder(model_path, sha256), batched=True, num_proc=num_proc, features=features,
+                     remove_columns=pairs.column_names, keep_in_memory=True, desc=f"Tokenizing {name}")
+
+
+def _flat(column: pa.ChunkedArray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """A list column -> (concatenated values, int64 offsets of length n + 1 starting at 0)."""
+    lists = column.combine_chunks()
+    lengths = pc.list_value_length(lists).to_numpy(zero_copy_only=False)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(dtype)
+    return values, offsets
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    with atomic_open(path, "wb") as f:
+        np.save(f, array)  # a file object, so np.save adds no `.npy` to the temp name
+
+
+def _write_pairs(path: Path, pairs: Dataset) -> None:
+    with atomic_open(path, "w") as f:
+        for batch in pairs.select_columns(["source", "target", "references"]).iter(batch_size=10_000):
+            for src, tgt, refs in zip(batch["source"], batch["target"], batch["references"]):
+                record = {"source": src, "target": tgt, **({"references": refs} if refs else {})}
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def write_split(data_dir: Path, split: str, pairs: Dataset, encoded: Dataset, dtype: np.dtype) -> dict:
+    """Write the split's arrays and its cleaned-text jsonl; returns its meta.json entry."""
+    files = split_files(split)
+    table = encoded.with_format("arrow")[:]
+    stats = {"pairs": len(pairs)}
+    for side, column in (("src", "src_ids"), ("tgt", "tgt_ids")):
+        values, offsets = _flat(table.column(column), dtype)
+        _save_npy(data_dir / files[side], values)
+        _save_npy(data_dir / files[f"{side}_offsets"], offsets)
+        long_name = "source" if side == "src" else "target"
+        stats[f"{long_name}_tokens"] = int(values.size)
+        stats[f"max_{long_name}_len"] = int(np.diff(offsets).max(initial=0))
+    _write_pairs(data_dir / files["pairs"], pairs)
+    return stats

@@ -1,0 +1,64 @@
+"""SentencePiece training on the cleaned train split: pinned special ids, Gigaword's `<unk>` as one piece."""
+from __future__ import annotations
+
+import hashlib
+import io
+from typing import Iterator
+
+import sentencepiece as spm
+from datasets import Dataset
+
+from summarizer.config import DataConfig
+from summarizer.errors import DataError
+from summarizer.tokenizer import BOS, EOS, PAD, UNK, UNK_WORD
+
+SPM_SEED = 20240521  # SentencePiece samples and shuffles sentences; a fixed seed makes prep reproducible
+
+
+def _sentences(train: Dataset) -> Iterator[str]:
+    for batch in train.select_columns(["source", "target"]).iter(batch_size=10_000):
+        yield from batch["source"]
+        yield from batch["target"]
+
+
+def _train(train: Dataset, cfg: DataConfig, hard_vocab_limit: bool) -> bytes:
+    model = io.BytesIO()
+    spm.set_random_generator_seed(SPM_SEED)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_sentences(train), model_writer=model,
+        model_type=cfg.spm_model_type, vocab_size=cfg.vocab_size, hard_vocab_limit=hard_vocab_limit,
+        character_coverage=cfg.spm_character_coverage,
+        input_sentence_size=cfg.spm_input_sentence_size, shuffle_input_sentence=True,
+        num_threads=max(1, cfg.num_proc),
+        pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+        pad_piece="<pad>", bos_piece="<s>", eos_piece="</s>",
+        # SentencePiece's own unknown piece gets another surface so that Gigaword's `<unk>` word
+        # can be a user-defined symbol: always one piece, never split into `<`, `unk`, `>`.
+        unk_piece="<sp_unk>", user_defined_symbols=[UNK_WORD],
+        # `#` (masked digits) is script Common and letters are Latin: splitting by script keeps
+        # `##` runs from merging with letters, so `##th` is `##` + `th`.
+        split_by_unicode_script=True,
+        minloglevel=2)  # its per-iteration log would bury the progress lines
+    return model.getvalue()
+
+
+def train_spm(train: Dataset, cfg: DataConfig) -> tuple[bytes, dict]:
+    """Train on the train split's sources and targets; returns the model file's bytes and its meta."""
+    print(f"training SentencePiece ({cfg.spm_model_type}, vocab {cfg.vocab_size}) on "
+          f"{2 * len(train)} train sentences", flush=True)
+    hard_limit = True
+    try:
+        model = _train(train, cfg, hard_vocab_limit=True)
+    except RuntimeError as exc:
+        if "Vocabulary size too high" not in str(exc):
+            raise DataError(f"SentencePiece training failed ({exc}): check data.vocab_size and "
+                            f"data.spm_* settings against the size of the train split") from None
+        # Too little text for the requested size: take what the data supports, and say so.
+        hard_limit = False
+        model = _train(train, cfg, hard_vocab_limit=False)
+    vocab_size = spm.SentencePieceProcessor(model_proto=model).get_piece_size()
+    if not hard_limit:
+        print(f"note: the train split is too small for data.vocab_size={cfg.vocab_size}; trained with "
+              f"hard_vocab_limit=false, real vocab size {vocab_size} (recorded in meta.json)", flush=True)
+    return model, {"vocab_size": vocab_size, "requested_vocab_size": cfg.vocab_size,
+                   "hard_vocab_limit": hard_limit, "sha256": hashlib.sha256(model).hexdigest()}

@@ -1,0 +1,90 @@
+"""Reads a prepared data dir: meta.json and memory-mapped token arrays."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from summarizer.errors import DataError
+from summarizer.tokenizer import Tokenizer
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+SPM_FILE = "spm.model"
+_PREP_HINT = "run `make prep CONFIG=...` (python -m data_prep --config FILE) to prepare it"
+
+
+class SplitArrays(NamedTuple):
+    """Flat token ids of all pairs; pair i's source is src[src_offsets[i]:src_offsets[i + 1]]."""
+    src: np.ndarray
+    src_offsets: np.ndarray
+    tgt: np.ndarray
+    tgt_offsets: np.ndarray
+
+
+def split_files(split: str) -> dict[str, str]:
+    """File names of one split, keyed by role; prep writes exactly these."""
+    return {"src": f"{split}.src.npy", "src_offsets": f"{split}.src_offsets.npy",
+            "tgt": f"{split}.tgt.npy", "tgt_offsets": f"{split}.tgt_offsets.npy",
+            "pairs": f"{split}.jsonl"}
+
+
+def read_meta(data_dir: str | Path) -> dict:
+    data_dir = Path(data_dir)
+    path = data_dir / META_FILE
+    if not data_dir.is_dir():
+        raise DataError(f"prepared data dir {data_dir} does not exist: {_PREP_HINT}")
+    if not path.is_file():
+        raise DataError(f"{data_dir} has no {META_FILE} (not prepared, or prep was interrupted): {_PREP_HINT}")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path} is not valid JSON ({exc}): delete it and {_PREP_HINT}") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise DataError(f"{path} has format_version {meta.get('format_version')!r}, this code reads "
+                        f"{FORMAT_VERSION}: delete {data_dir} and {_PREP_HINT}")
+    return meta
+
+
+def _check_split(data_dir: Path, split: str, meta: dict) -> None:
+    if split not in meta["splits"]:
+        raise DataError(f"split '{split}' was not prepared in {data_dir} (prepared: "
+                        f"{', '.join(meta['splits']) or 'none'}): map it in data.splits and re-run prep")
+
+
+def load_split(data_dir: str | Path, split: str) -> SplitArrays:
+    """Memory-mapped (read-only) arrays: opening is instant and DataLoader workers share the pages."""
+    data_dir = Path(data_dir)
+    meta = read_meta(data_dir)
+    _check_split(data_dir, split, meta)
+    files = split_files(split)
+    arrays = {}
+    for role in ("src", "src_offsets", "tgt", "tgt_offsets"):
+        path = data_dir / files[role]
+        if not path.is_file():
+            raise DataError(f"{path} is missing although meta.json lists split '{split}': "
+                            f"delete {data_dir / META_FILE} and {_PREP_HINT}")
+        arrays[role] = np.load(path, mmap_mode="r")
+    return SplitArrays(**arrays)
+
+
+def read_pairs(data_dir: str | Path, split: str) -> list[dict]:
+    """The cleaned text pairs of a split ({"source", "target"[, "references"]}), in array order."""
+    data_dir = Path(data_dir)
+    _check_split(data_dir, split, read_meta(data_dir))
+    path = data_dir / split_files(split)["pairs"]
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def open_tokenizer(data_dir: str | Path) -> Tokenizer:
+    """The dir's tokenizer, checked against the sha256 that meta.json recorded."""
+    data_dir = Path(data_dir)
+    meta = read_meta(data_dir)
+    tokenizer = Tokenizer(data_dir / meta["spm_model"])
+    if tokenizer.sha256 != meta["spm_sha256"]:
+        raise DataError(f"{data_dir / meta['spm_model']} does not match the sha256 in meta.json "
+                        f"(the model was replaced after prep): delete {data_dir} and {_PREP_HINT}")
+    return tokenizer

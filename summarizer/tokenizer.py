@@ -1,0 +1,80 @@
+"""SentencePiece wrapper with pinned special ids, and the text normalisation shared by prep and inference."""
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import sentencepiece as spm
+
+from summarizer.errors import DataError
+
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+# Gigaword's own unknown *word*; a user-defined piece (one id), distinct from SentencePiece's UNK.
+UNK_WORD = "<unk>"
+
+# Gigaword writes the unknown word `<unk>` in train/valid but `UNK` in its test set
+# (https://github.com/harvardnlp/sent-summary); only a whole-word UNK is that token.
+_UNK_UPPER_RE = re.compile(r"(?<!\S)UNK(?!\S)")
+_UNK_TAG_RE = re.compile(r"<unk>", re.IGNORECASE)
+_DIGIT_RE = re.compile(r"\d")
+
+
+def normalize(text: str, lowercase: bool, mask_digits: bool) -> str:
+    """The one text normalisation, applied at prep and again to `summarize` input."""
+    # UNK before lowercasing: after it, a real word "unk" would be indistinguishable.
+    text = _UNK_UPPER_RE.sub(UNK_WORD, text)
+    text = _UNK_TAG_RE.sub(UNK_WORD, text)
+    if lowercase:
+        text = text.lower()
+    if mask_digits:
+        text = _DIGIT_RE.sub("#", text)
+    return " ".join(text.split())
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+class Tokenizer:
+    """Text <-> ids. Sequences carry no BOS/EOS: the data loader adds them where the model needs them."""
+
+    def __init__(self, model_path: str | Path):
+        path = Path(model_path)
+        if not path.is_file():
+            raise DataError(f"SentencePiece model {path} does not exist: run `make prep CONFIG=...` "
+                            f"(python -m data_prep --config ...) to create it")
+        self.path = path
+        self.sha256 = file_sha256(path)
+        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        pinned = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
+        if pinned != (PAD, UNK, BOS, EOS):
+            raise DataError(f"{path} has special ids pad/unk/bos/eos = {pinned}, expected "
+                            f"{(PAD, UNK, BOS, EOS)}: re-run prep to train a model with pinned ids")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text, out_type=int)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(list(texts), out_type=int)
+
+    def decode(self, ids) -> str:
+        """Stops at the first EOS; PAD and BOS are skipped wherever they appear."""
+        kept = []
+        for i in ids:
+            i = int(i)
+            if i == EOS:
+                break
+            if i not in (PAD, BOS):
+                kept.append(i)
+        return self.sp.decode(kept)
+
+    def decode_batch(self, batch) -> list[str]:
+        return [self.decode(ids) for ids in batch]
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"

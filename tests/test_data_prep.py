@@ -1,0 +1,280 @@
+"""Tests for data_prep and summarizer/prepared.py: readers, splits, cleaning, arrays, meta, idempotency, errors."""
+import hashlib
+
+import datasets
+import numpy as np
+import pytest
+import yaml
+
+from conftest import ASSETS, data_config
+from data_prep import prepare
+from data_prep.__main__ import main
+from data_prep.clean import RULES, clean_split, hold_out
+from data_prep.sources import load_splits
+from data_prep.tokenize import atomic_open
+from summarizer.config import load_config
+from summarizer.errors import ConfigError, DataError
+from summarizer.prepared import load_split, read_meta, read_pairs, split_files
+
+
+def _load(tmp_path, *overrides):
+    cfg = data_config(tmp_path / "prep", *overrides)
+    return load_splits(cfg, tmp_path / "cache")
+
+
+def _lines(path):
+    return path.read_text().splitlines()
+
+
+# --- sources ---------------------------------------------------------------------------------
+
+def test_jsonl_dir_maps_splits_and_skips_unmapped(tmp_path):
+    splits, ignored = _load(tmp_path, f"data.source={ASSETS / 'jsonl'}")
+    assert set(splits) == {"train", "valid"} and ignored == ["test_dev"]
+    assert len(splits["train"]) == len(_lines(ASSETS / "jsonl/train.jsonl"))
+    refs = splits["valid"]["references"]
+    assert all(len(r) == 4 for r in refs) and list(splits["valid"]["target"]) == [r[0] for r in refs]
+
+
+def test_jsonl_gz_split_is_named_by_its_stem(tmp_path):
+    splits, ignored = _load(tmp_path, f"data.source={ASSETS / 'jsonl'}",
+                           "data.splits={train: [train], valid: [valid], test: [test_dev]}")
+    assert ignored == [] and len(splits["test"]) == 3
+    assert splits["test"][0]["source"] == "the orchestra will tour five cities next spring ."
+
+
+def test_rush_pair_is_read_line_by_line(tmp_path):
+    splits, _ = _load(tmp_path, f"data.source={ASSETS / 'rush'}")
+    assert list(splits["train"]["source"]) == _lines(ASSETS / "rush/train.article.txt")
+    assert list(splits["train"]["target"]) == _lines(ASSETS / "rush/train.title.txt")
+    assert len(splits["valid"]) == 2
+
+
+def test_csv_uses_configured_field_names(tmp_path):
+    splits, _ = _load(tmp_path, f"data.source={ASSETS / 'csv'}", "data.source_field=document",
+                      "data.target_field=summary")
+    assert len(splits["train"]) == 4 and len(splits["valid"]) == 1
+    assert "the library, which opened in 1905, will be restored ." in list(splits["train"]["source"])
+
+
+def test_hub_source_goes_through_load_dataset(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_load_dataset(path, name=None, **kwargs):
+        calls.append((path, name, kwargs))
+        rows = {"document": ["the mayor opened a new park on monday .", "a storm cut power to ### homes ."],
+                "summary": ["mayor opens park", "storm cuts power"]}
+        return datasets.DatasetDict({split: datasets.Dataset.from_dict(rows)
+                                     for split in ("train", "validation", "test")})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    cfg = data_config(tmp_path / "prep", "data.source=hf:fake/gigaword:default",
+                      "data.source_field=document", "data.target_field=summary")
+    meta = prepare(cfg)
+    path, name, kwargs = calls[0]
+    assert (path, name) == ("fake/gigaword", "default")
+    assert kwargs["cache_dir"].startswith(str(tmp_path / "prep"))  # nothing lands in the home directory
+    assert set(meta["splits"]) == {"train", "valid", "test"} and meta["source"] == "hf:fake/gigaword:default"
+    assert read_pairs(tmp_path / "prep", "valid")[1] == {"source": "a storm cut power to ### homes .",
+                                                         "target": "storm cuts power"}
+
+
+def test_yaml_mapping_source(tmp_path):
+    config = tmp_path / "exp.yaml"
+    config.write_text(yaml.safe_dump({"data": {"source": {
+        "train": [str(ASSETS / "jsonl/train.jsonl"), str(ASSETS / "rush/train.article.txt")],
+        "test": [str(ASSETS / "jsonl/test_dev.jsonl.gz")]}}}))
+    cfg = load_config(config, [f"data.dir={tmp_path / 'prep'}"]).data
+    splits, ignored = load_splits(cfg, tmp_path / "cache")
+    assert set(splits) == {"train", "test"} and ignored == []
+    assert len(splits["train"]) == len(_lines(ASSETS / "jsonl/train.jsonl")) + 6
+    assert len(splits["test"]) == 3
+
+
+def test_missing_train_split_names_what_was_found(tmp_path):
+    with pytest.raises(DataError, match=r"no train split.*\['train', 'valid'\]"):
+        _load(tmp_path, f"data.source={ASSETS / 'rush'}", "data.splits={train: [training]}")
+
+
+def test_unknown_product_split_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="dev"):
+        _load(tmp_path, f"data.source={ASSETS / 'rush'}", "data.splits={train: [train], dev: [valid]}")
+
+
+# --- cleaning --------------------------------------------------------------------------------
+
+def test_cleaning_counts_every_rule(tmp_path):
+    cfg = data_config(tmp_path, f"data.source={ASSETS / 'jsonl'}", "data.lowercase=true",
+                      "data.mask_digits=true", "data.max_source_words=30", "data.max_target_words=10")
+    raw, _ = load_splits(cfg, tmp_path / "cache")
+    cleaned, dropped = clean_split(raw["train"], cfg, "train", num_proc=None)
+    assert dropped == {"bad_chars": 1, "empty": 1, "source_too_long": 1, "target_too_long": 1, "duplicate": 1}
+    assert tuple(dropped) == RULES and len(cleaned) + sum(dropped.values()) == len(raw["train"])
+    sources = list(cleaned["source"])
+    assert sources[0] == "the central bank raised interest rates by #.## percentage points on tuesday ."
+    assert sources[1] == "heavy rain caused flooding in <unk> province , officials said ."
+    assert "record <unk> harvest expected" in list(cleaned["target"])
+    # whitespace variants of one pair are one pair: the first occurrence is kept, in input order
+    assert sources.count("the city council approved a new budget for parks and libraries .") == 1
+
+
+def test_undecodable_bytes_drop_only_their_pair(tmp_path):
+    raw = tmp_path / "train.jsonl"
+    raw.write_bytes(b'{"source": "caf\xe9 closes", "target": "cafe"}\n{"source": "a b c", "target": "a b"}\n')
+    meta = prepare(data_config(tmp_path / "prep", f"data.source={tmp_path}", "data.vocab_size=16"))
+    assert meta["dropped"]["train"]["bad_chars"] == 1 and meta["splits"]["train"]["pairs"] == 1
+
+
+def test_valid_holdout_is_deterministic_and_order_independent(tmp_path):
+    cfg = data_config(tmp_path, f"data.source={ASSETS / 'tiny'}", "data.splits={train: [train]}")
+    raw, _ = load_splits(cfg, tmp_path / "cache")
+    cleaned, _ = clean_split(raw["train"], cfg, "train", num_proc=None)
+    train, valid = hold_out(cleaned, 25)
+    train2, valid2 = hold_out(cleaned.shuffle(seed=7).flatten_indices(), 25)
+    assert len(valid) == 25 and len(train) == len(cleaned) - 25
+    assert set(valid["source"]) == set(valid2["source"])
+    assert not set(valid["source"]) & set(train["source"])
+    kept = list(train["source"])
+    assert kept == [s for s in cleaned["source"] if s in set(kept)]  # train keeps its order
+
+
+def test_valid_holdout_in_prepare(tmp_path):
+    meta = prepare(data_config(tmp_path, f"data.source={ASSETS / 'tiny'}",
+                               "data.splits={train: [train], test: [test]}", "data.valid_holdout=30"))
+    assert meta["splits"]["valid"]["pairs"] == 30 == meta["held_out_as_valid"]
+    assert meta["splits"]["train"]["pairs"] == meta["raw_pairs"]["train"] - 30
+    assert meta["raw_pairs"]["valid"] == 30 and sum(meta["dropped"]["valid"].values()) == 0
+
+
+# --- prepared output -------------------------------------------------------------------------
+
+def test_splits_are_memory_mapped_and_consistent_with_jsonl(tiny_prepared):
+    from summarizer.prepared import open_tokenizer
+
+    meta, tokenizer = read_meta(tiny_prepared), open_tokenizer(tiny_prepared)
+    for split, stats in meta["splits"].items():
+        arrays, pairs = load_split(tiny_prepared, split), read_pairs(tiny_prepared, split)
+        assert isinstance(arrays.src, np.memmap) and arrays.src.dtype == np.uint16 == arrays.tgt.dtype
+        for tokens, offsets, side in ((arrays.src, arrays.src_offsets, "source"),
+                                      (arrays.tgt, arrays.tgt_offsets, "target")):
+            assert offsets.dtype == np.int64 and len(offsets) == len(pairs) + 1 == stats["pairs"] + 1
+            assert offsets[0] == 0 and offsets[-1] == len(tokens) == stats[f"{side}_tokens"]
+            assert np.all(np.diff(offsets) > 0) and np.diff(offsets).max() == stats[f"max_{side}_len"]
+            assert all(tokenizer.decode(tokens[offsets[i]:offsets[i + 1]]) == p[side] for i, p in enumerate(pairs))
+            assert not np.isin(tokens, [0, 2, 3]).any()  # no PAD/BOS/EOS stored
+
+
+def test_test_split_unk_is_unified(tiny_prepared):
+    raw = (ASSETS / "tiny/test.jsonl").read_text()
+    prepared = (tiny_prepared / "test.jsonl").read_text()
+    assert "UNK" in raw and "UNK" not in prepared and prepared.count("<unk>") == raw.count("UNK")
+
+
+def test_meta_records_what_training_needs(tiny_prepared):
+    meta = read_meta(tiny_prepared)
+    assert meta["format_version"] == 1 and meta["dtype"] == "uint16"
+    assert meta["special_ids"] == {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
+    assert meta["spm_sha256"] == hashlib.sha256((tiny_prepared / meta["spm_model"]).read_bytes()).hexdigest()
+    assert meta["normalization"] == {"lowercase": False, "mask_digits": True}
+    assert meta["source"] == str(ASSETS / "tiny") and len(meta["fingerprint"]) == 64 and meta["seconds"] > 0
+    assert meta["raw_pairs"] == {"train": 300, "valid": 40, "test": 40}
+    for split, stats in meta["splits"].items():
+        assert stats["pairs"] + sum(meta["dropped"][split].values()) == meta["raw_pairs"][split]
+    assert meta["vocab_size"] <= meta["requested_vocab_size"]
+
+
+def test_spm_training_is_reproducible(tiny_prepared, tmp_path):
+    meta = prepare(data_config(tmp_path, f"data.source={ASSETS / 'tiny'}", "data.vocab_size=150",
+                               "data.mask_digits=true"))
+    assert meta["spm_sha256"] == read_meta(tiny_prepared)["spm_sha256"]
+
+
+def test_small_data_falls_back_to_the_vocab_it_supports(tmp_path):
+    meta = prepare(data_config(tmp_path, f"data.source={ASSETS / 'rush'}", "data.vocab_size=5000"))
+    assert meta["requested_vocab_size"] == 5000 and 8 < meta["vocab_size"] < 5000
+
+
+def test_second_run_does_nothing(tmp_path, capsys):
+    args = [f"data.source={ASSETS / 'rush'}", f"data.dir={tmp_path}", "data.vocab_size=64", "data.num_proc=1"]
+    assert main(args) == 0
+    assert "prepared" in capsys.readouterr().out
+    mtimes = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.is_file()}
+    assert main(args) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.is_file()} == mtimes
+    assert main(args[:-2] + ["data.vocab_size=60", "data.num_proc=1"]) == 0  # a changed key rebuilds
+    assert read_meta(tmp_path)["requested_vocab_size"] == 60
+
+
+def test_rebuild_removes_splits_no_longer_produced(tmp_path):
+    prepare(data_config(tmp_path, f"data.source={ASSETS / 'rush'}"))
+    assert (tmp_path / "valid.src.npy").exists()
+    prepare(data_config(tmp_path, f"data.source={ASSETS / 'rush'}", "data.splits={train: [train]}"))
+    assert set(read_meta(tmp_path)["splits"]) == {"train"}
+    assert not any((tmp_path / f).exists() for f in split_files("valid").values())
+
+
+def test_failed_rebuild_keeps_the_previous_data(tmp_path):
+    meta = prepare(data_config(tmp_path, f"data.source={ASSETS / 'rush'}"))
+    with pytest.raises(DataError, match="malformed"):
+        prepare(data_config(tmp_path, f"data.source={{train: [{ASSETS / 'bad/malformed.jsonl'}]}}"))
+    assert read_meta(tmp_path) == meta and len(load_split(tmp_path, "train").src_offsets) == 7
+
+
+def test_reading_an_unprepared_dir_says_how_to_prepare(tmp_path):
+    with pytest.raises(DataError, match="make prep"):
+        read_meta(tmp_path / "nowhere")
+    with pytest.raises(DataError, match="make prep"):
+        load_split(tmp_path, "train")
+
+
+def test_atomic_open_leaves_nothing_on_failure(tmp_path):
+    target = tmp_path / "out.npy"
+    with pytest.raises(RuntimeError):
+        with atomic_open(target) as f:
+            f.write(b"half")
+            raise RuntimeError("crash")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- bad inputs ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("source, pattern", [
+    ("{missing}", r"does not exist"),
+    ("{{train: [{bad}/malformed.jsonl]}}", r"malformed\.jsonl:3: malformed JSON"),
+    ("{{train: [{bad}/mismatch.article.txt]}}", r"mismatch\.article\.txt has 4 lines but .*mismatch\.title\.txt has 3"),
+    ("{{train: [{bad}/empty.jsonl]}}", r"empty\.jsonl is empty"),
+    ("{{train: [{bad}/missing_field.jsonl]}}", r"no field 'source'.*data\.source_field"),
+])
+def test_bad_inputs_raise_clear_data_errors(tmp_path, source, pattern):
+    source = source.format(missing=tmp_path / "no_such_dir", bad=ASSETS / "bad")
+    with pytest.raises(DataError, match=pattern):
+        prepare(data_config(tmp_path / "prep", f"data.source={source}"))
+    assert not (tmp_path / "prep" / "meta.json").exists()
+
+
+def test_cli_prints_error_line_and_exits_2(tmp_path, capsys):
+    code = main([f"data.source={tmp_path / 'no_such_dir'}", f"data.dir={tmp_path / 'prep'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "no_such_dir" in err and "Traceback" not in err
+
+
+def test_cli_rejects_bad_config_keys(tmp_path, capsys):
+    assert main(["data.sourse=x"]) == 2
+    assert "data.source" in capsys.readouterr().err
+
+
+def test_script_only_hub_repo_falls_back_to_the_parquet_conversion(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_load_dataset(path, name=None, **kwargs):
+        calls.append(kwargs.get("revision"))
+        if kwargs.get("revision") is None:
+            raise RuntimeError("Dataset scripts are no longer supported, but found gigaword.py")
+        rows = {"document": ["the mayor opened a new park on monday ."], "summary": ["mayor opens park"]}
+        return datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    meta = prepare(data_config(tmp_path / "prep", "data.source=hf:Harvard/gigaword",
+                               "data.source_field=document", "data.target_field=summary"))
+    assert calls == [None, "refs/convert/parquet"] and meta["splits"]["train"]["pairs"] == 1

@@ -1,0 +1,105 @@
+"""Tests for summarizer/tokenizer.py: normalisation, pinned special ids, lossless round trips."""
+import hashlib
+import json
+
+import pytest
+
+from summarizer.errors import DataError
+from summarizer.prepared import open_tokenizer, read_meta
+from summarizer.tokenizer import BOS, EOS, PAD, UNK, UNK_WORD, Tokenizer, normalize
+
+
+@pytest.mark.parametrize("raw, lowercase, mask_digits, expected", [
+    ("floods hit UNK province", False, False, "floods hit <unk> province"),
+    ("floods hit <UNK> province", True, False, "floods hit <unk> province"),
+    ("UNK UNK <unk>", True, True, "<unk> <unk> <unk>"),
+    ("UNKNOWN risks and unk words stay", False, False, "UNKNOWN risks and unk words stay"),
+    ("Rates Rose 0.25 Points in 2024", True, True, "rates rose #.## points in ####"),
+    ("Rates Rose 0.25", False, False, "Rates Rose 0.25"),
+    ("  a \t b\n c  ", False, False, "a b c"),
+    ("", True, True, ""),
+])
+def test_normalize(raw, lowercase, mask_digits, expected):
+    assert normalize(raw, lowercase, mask_digits) == expected
+    assert normalize(expected, lowercase, mask_digits) == expected  # idempotent
+
+
+def test_uppercase_unk_is_mapped_before_lowercasing():
+    # After lowercasing, Gigaword's test-set UNK would be indistinguishable from a word "unk".
+    assert normalize("the UNK said", lowercase=True, mask_digits=False) == "the <unk> said"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_prepared) -> Tokenizer:
+    return open_tokenizer(tiny_prepared)
+
+
+def test_special_ids_are_pinned(tokenizer):
+    assert (PAD, UNK, BOS, EOS) == (0, 1, 2, 3)
+    sp = tokenizer.sp
+    assert (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) == (PAD, UNK, BOS, EOS)
+    assert [sp.id_to_piece(i) for i in range(4)] == ["<pad>", "<sp_unk>", "<s>", "</s>"]
+
+
+def test_gigaword_unk_is_one_piece_distinct_from_spm_unk(tokenizer):
+    unk_word_id = tokenizer.sp.piece_to_id(UNK_WORD)
+    assert unk_word_id not in (PAD, UNK, BOS, EOS)
+    ids = tokenizer.encode("a <unk> b")
+    assert ids.count(unk_word_id) == 1 and UNK not in ids
+    assert tokenizer.decode(ids) == "a <unk> b"
+
+
+@pytest.mark.parametrize("text", ["a <unk> b", "<unk>", "##.##", "up ## percent to #.## billion",
+                                  "city beat united #-# on monday", "john <unk> , the president of <unk> group"])
+def test_round_trip_on_normalized_text(tokenizer, text):
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_round_trip_on_every_prepared_pair(tokenizer, tiny_prepared):
+    for split in read_meta(tiny_prepared)["splits"]:
+        with open(tiny_prepared / f"{split}.jsonl") as f:
+            texts = [t for line in f for t in json.loads(line).values()]
+        assert tokenizer.decode_batch(tokenizer.encode_batch(texts)) == texts
+
+
+def test_digit_masks_never_merge_with_letters(tokenizer):
+    pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    assert any("#" in p for p in pieces)
+    assert not [p for p in pieces if "#" in p and any(c.isalpha() for c in p)]
+
+
+def test_decode_stops_at_eos_and_skips_pad_and_bos(tokenizer):
+    ids = tokenizer.encode("egypt to raise fuel taxes")
+    assert tokenizer.decode([BOS] + ids + [EOS] + tokenizer.encode("ignored after eos")) == "egypt to raise fuel taxes"
+    assert tokenizer.decode([BOS, PAD] + ids + [PAD, PAD]) == "egypt to raise fuel taxes"
+    assert tokenizer.decode([EOS] + ids) == ""
+
+
+def test_batch_methods_match_single(tokenizer):
+    texts = ["norway to ban oil exports", "", "atlas motors shares fall on profit warning"]
+    batch = tokenizer.encode_batch(texts)
+    assert batch == [tokenizer.encode(t) for t in texts]
+    assert tokenizer.decode_batch(batch) == texts
+
+
+def test_vocab_size_and_sha256_match_meta(tokenizer, tiny_prepared):
+    meta = read_meta(tiny_prepared)
+    assert tokenizer.vocab_size == meta["vocab_size"]
+    model_bytes = (tiny_prepared / "spm.model").read_bytes()
+    assert tokenizer.sha256 == meta["spm_sha256"] == hashlib.sha256(model_bytes).hexdigest()
+
+
+def test_missing_model_is_a_data_error(tmp_path):
+    with pytest.raises(DataError, match="make prep"):
+        Tokenizer(tmp_path / "spm.model")
+
+
+def test_replaced_model_is_refused(tiny_prepared, tmp_path):
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_prepared, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    meta["spm_sha256"] = "0" * 64
+    (copy / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="sha256"):
+        open_tokenizer(copy)
