@@ -215,14 +215,27 @@ def _nest(dotted: str, value: Any) -> dict:
     return out
 
 
-def parse_override(text: str) -> dict:
-    """`a.b=value` -> {"a": {"b": value}}; the value is parsed as YAML (so 1e-3, true, [1,2] work)."""
+def parse_override(text: str, cfg: Config | None = None) -> dict:
+    """`a.b=value` -> {"a": {"b": value}}; the value is parsed as YAML (so 1e-3, true, [1,2] work).
+
+    A key that reaches into a mapping field (`data.splits.test=[x]`) edits that one entry of the
+    current mapping; naming the field itself (`data.splits={...}`) replaces the whole mapping.
+    """
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like key.sub=value")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # not YAML: keep the text as given (type checks still apply)
     if value is None:
         value = ""
+    parts = key.strip().split(".")
+    node = cfg
+    for i, part in enumerate(parts[:-1]):
+        node = getattr(node, part, None) if node is not None else None
+        if isinstance(node, dict):
+            return _nest(".".join(parts[:i + 1]), {**node, **_nest(".".join(parts[i + 1:]), value)})
     return _nest(key.strip(), value)
 
 
@@ -278,7 +291,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
             raise ConfigError(f"config file {path} must hold a mapping of sections")
         _merge(cfg, data)
     for text in overrides:
-        _merge(cfg, parse_override(text))
+        _merge(cfg, parse_override(text, cfg))
     validate(cfg)
     return cfg
 

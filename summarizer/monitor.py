@@ -7,6 +7,7 @@ import platform
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -139,3 +140,60 @@ def flatten(cfg: Config) -> dict:
         for key, value in values.items():
             out[f"{section}.{key}"] = value
     return out
+
+
+class Window:
+    """Sums between two log points, kept as device tensors so logging costs one sync per interval."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps, self.tokens, self.data_s, self.skipped = 0, 0, 0.0, 0
+        self.nll = torch.zeros((), device=self.device)
+        self.loss = torch.zeros((), device=self.device)
+        self.started = time.perf_counter()
+
+    def add(self, out: dict, micro_batches: list[dict], data_s: float) -> None:
+        self.steps += 1
+        self.tokens += sum(b["n_src"] + b["n_tgt"] for b in micro_batches)
+        self.data_s += data_s
+        self.skipped += not out["finite"]
+        self.nll += out["nll_sum"] / out["tokens"]
+        self.loss += out["loss_sum"] / out["tokens"]
+
+    def summary(self, lr: float, grad_norm: torch.Tensor) -> dict:
+        seconds = time.perf_counter() - self.started
+        steps = max(self.steps, 1)
+        return {"loss": (self.nll / steps).item(), "smoothed_loss": (self.loss / steps).item(),
+                "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": self.tokens / seconds,
+                "step_s": seconds / steps, "data_wait": self.data_s / seconds,
+                "skipped_steps": self.skipped, "peak_memory_mb": peak_memory_mb(self.device)}
+
+
+class Profiler:
+    """torch.profiler over `steps` steps (after 1 wait + 1 warm-up step): a trace TensorBoard and
+    Perfetto open, plus an operator table in <run_dir>/profile.txt."""
+
+    def __init__(self, steps: int, trace_dir: Path, table_path: Path, cuda: bool):
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.last_step, self.table_path = steps + 2, table_path
+        self.prof = torch.profiler.profile(
+            activities=activities, record_shapes=True, profile_memory=True,
+            schedule=torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir)))
+        self.prof.start()
+        self.done = False
+
+    def step(self, step: int) -> None:
+        if self.done:
+            return
+        self.prof.step()
+        if step >= self.last_step:
+            self.prof.stop()
+            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            self.table_path.write_text(self.prof.key_averages().table(sort_by=sort, row_limit=40))
+            self.done = True

@@ -5,9 +5,12 @@ import contextlib
 import math
 import signal
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from summarizer import checkpoint, runtime
 from summarizer.config import Config, TrainConfig, save_config, to_dict
@@ -16,7 +19,7 @@ from summarizer.decoding import greedy
 from summarizer.errors import UserError
 from summarizer.losses import smoothed_nll
 from summarizer.model import Seq2Seq, count_parameters
-from summarizer.monitor import Monitor, flatten, memory_report, peak_memory_mb, write_manifest
+from summarizer.monitor import Monitor, Profiler, Window, flatten, memory_report, write_manifest
 from summarizer.optim import build_optimizer, build_scheduler
 from summarizer.prepared import open_tokenizer, read_meta
 from summarizer.runtime import Runtime, move
@@ -150,47 +153,6 @@ def sample_summaries(model, dataset: PairDataset, tokenizer: Tokenizer, rt: Runt
                        f"greedy: {tokenizer.decode(h)}" for (s, t), h in zip(pairs, hyps))
 
 
-class Window:
-    """Sums between two log points, kept as device tensors so logging costs one sync per interval."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.reset()
-
-    def reset(self):
-        self.steps, self.tokens, self.data_s, self.skipped = 0, 0, 0.0, 0
-        self.nll = torch.zeros((), device=self.device)
-        self.loss = torch.zeros((), device=self.device)
-        self.started = time.perf_counter()
-
-    def add(self, out: dict, micro_batches: list[dict], data_s: float):
-        self.steps += 1
-        self.tokens += sum(b["n_src"] + b["n_tgt"] for b in micro_batches)
-        self.data_s += data_s
-        self.skipped += not out["finite"]
-        self.nll += out["nll_sum"] / out["tokens"]
-        self.loss += out["loss_sum"] / out["tokens"]
-
-    def summary(self, lr: float, grad_norm: torch.Tensor, device: torch.device) -> dict:
-        seconds = time.perf_counter() - self.started
-        return {"loss": (self.nll / self.steps).item(), "smoothed_loss": (self.loss / self.steps).item(),
-                "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": self.tokens / seconds,
-                "step_s": seconds / self.steps, "data_wait": self.data_s / seconds,
-                "skipped_steps": self.skipped, "peak_memory_mb": peak_memory_mb(device)}
-
-
-def make_profiler(cfg: Config, rt: Runtime):
-    if cfg.train.profile_steps <= 0 or not rt.is_main:
-        return None
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if rt.decoder_device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(
-        activities=activities, record_shapes=True, profile_memory=True,
-        schedule=torch.profiler.schedule(wait=1, warmup=1, active=cfg.train.profile_steps, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(cfg.tensorboard_dir / "profile")))
-
-
 def oom_message(exc: BaseException, micro_batches: list[dict], cfg: Config, rt: Runtime, step: int) -> str:
     shapes = ", ".join(f"{tuple(b['src_ids'].shape)}->{tuple(b['tgt_in'].shape)}" for b in micro_batches)
     tokens = sum(b["n_src"] + b["n_tgt"] for b in micro_batches)
@@ -207,128 +169,146 @@ def _agree(flag: bool, rt: Runtime) -> bool:
     return bool(runtime.all_reduce_sum(torch.tensor(float(flag), device=rt.decoder_device), rt) > 0)
 
 
-def train(cfg: Config) -> dict:
-    """Train (or resume) the run `cfg.run.name`; returns a summary of the run."""
+@dataclass
+class Session:
+    """Everything one training run holds; built by `open_session`, driven by `train`."""
+    cfg: Config
+    rt: Runtime
+    meta: dict
+    tokenizer: Tokenizer
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    progress: dict
+    stream: Iterator
+    valid_ds: PairDataset
+    valid_loader: DataLoader
+    monitor: Monitor
+    resumed: bool
+
+    def snapshot(self) -> dict:
+        return snapshot(self.cfg, self.meta, self.model, self.optimizer, self.scheduler, self.scaler, self.progress)
+
+
+def open_session(cfg: Config) -> Session:
+    """Devices, seeds, data, model and optimizer state: fresh, or restored from the run's latest checkpoint."""
     rt = runtime.setup(cfg)
     runtime.seed_everything(cfg.train.seed, cfg.train.deterministic)
-    meta = read_meta(cfg.data.dir)
-    tokenizer = open_tokenizer(cfg.data.dir)
-    run_dir, t = cfg.run_dir, cfg.train
-    run_dir.mkdir(parents=True, exist_ok=True)
+    meta, tokenizer = read_meta(cfg.data.dir), open_tokenizer(cfg.data.dir)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
     model, optimizer, scheduler, scaler = build(cfg, rt, meta)
     progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
-    latest = checkpoint.latest_path(run_dir)
+    latest = checkpoint.latest_path(cfg.run_dir)
     if latest is not None:
         state = checkpoint.load(latest)
-        checkpoint.check_tokenizer(state["data_meta"], meta, f"run {run_dir}")
+        checkpoint.check_tokenizer(state["data_meta"], meta, f"run {cfg.run_dir}")
         progress = restore(state, model, optimizer, scheduler, scaler)
-        del state
     model = runtime.wrap_ddp(model, rt)
-    if t.compile:
+    if cfg.train.compile:
         model = torch.compile(model)
     train_ds = PairDataset.from_dir(cfg.data.dir, "train", cfg.data, limit=cfg.data.train_limit)
     sampler = TokenBatchSampler(train_ds.src_lens, train_ds.tgt_lens, cfg.data.batch_tokens, cfg.data.bucket_size,
-                                shuffle=True, seed=t.seed, rank=rt.rank, world_size=rt.world_size)
-    loader = make_loader(train_ds, sampler, cfg.data, rt.device, t.seed)
+                                shuffle=True, seed=cfg.train.seed, rank=rt.rank, world_size=rt.world_size)
+    stream = batches_forever(make_loader(train_ds, sampler, cfg.data, rt.device, cfg.train.seed), sampler,
+                             progress["epoch"], progress["position"])
     valid_split = "valid" if "valid" in meta["splits"] else "train"
-    valid_ds = train_ds if valid_split == "train" else PairDataset.from_dir(cfg.data.dir, "valid", cfg.data)
+    valid_ds = PairDataset.from_dir(cfg.data.dir, valid_split, cfg.data)
     valid_loader = make_loader(valid_ds, TokenBatchSampler(
         valid_ds.src_lens, valid_ds.tgt_lens, cfg.data.batch_tokens, shuffle=False, rank=rt.rank,
-        world_size=rt.world_size, even=False), cfg.data, rt.device, t.seed)
+        world_size=rt.world_size, even=False), cfg.data, rt.device, cfg.train.seed)
     if rt.is_main:
-        save_config(cfg, run_dir / "config.yaml")
-        write_manifest(cfg, run_dir, [rt.device, rt.decoder_device], rt.precision, meta, rt.world_size)
-    monitor = Monitor(cfg, rt.is_main, progress["step"], t.max_steps)
+        save_config(cfg, cfg.run_dir / "config.yaml")
+        write_manifest(cfg, cfg.run_dir, [rt.device, rt.decoder_device], rt.precision, meta, rt.world_size)
+    monitor = Monitor(cfg, rt.is_main, progress["step"], cfg.train.max_steps)
     monitor.write(f"model {count_parameters(model) / 1e6:.1f}M parameters, precision {rt.precision}, "
                   f"{len(train_ds)} train pairs, {len(valid_ds)} {valid_split} pairs, "
                   f"{'resuming at step ' + str(progress['step']) if latest else 'starting'}")
-    stop, profiler = StopFlag(), make_profiler(cfg, rt)
-    stream = batches_forever(loader, sampler, progress["epoch"], progress["position"])
-    window, last_out = Window(rt.decoder_device), None
+    return Session(cfg, rt, meta, tokenizer, model, optimizer, scheduler, scaler, progress, stream,
+                   valid_ds, valid_loader, monitor, latest is not None)
+
+
+def train(cfg: Config) -> dict:
+    """Train (or resume) the run `cfg.run.name` until max_steps, max_minutes, a signal or early stopping."""
+    s = open_session(cfg)
+    t, rt, progress = cfg.train, s.rt, s.progress
+    stop, window, bad_in_row = StopFlag(), Window(rt.decoder_device), 0
+    profiler = Profiler(t.profile_steps, cfg.tensorboard_dir / "profile", cfg.run_dir / "profile.txt",
+                        rt.decoder_device.type == "cuda") if t.profile_steps > 0 and rt.is_main else None
     started = time.perf_counter() - progress["elapsed_s"]
-    saved_at = evaluated_at = progress["step"]
-    bad_in_row = 0
     try:
-        if profiler:
-            profiler.start()
         while progress["step"] < t.max_steps:
-            t0 = time.perf_counter()
-            micro = []
+            t0, micro = time.perf_counter(), []
             for _ in range(t.accum_steps):
-                batch, epoch, position = next(stream)
+                batch, epoch, position = next(s.stream)
                 micro.append(to_device(batch, rt))
             data_s = time.perf_counter() - t0
             try:
-                last_out = train_step(model, optimizer, scaler, micro, rt, t)
+                out = train_step(s.model, s.optimizer, s.scaler, micro, rt, t)
             except (torch.OutOfMemoryError, MemoryError) as exc:
                 raise TrainingAborted(oom_message(exc, micro, cfg, rt, progress["step"])) from None
-            scheduler.step()
+            s.scheduler.step()
             progress.update(step=progress["step"] + 1, epoch=epoch, position=position,
                             elapsed_s=time.perf_counter() - started)
-            window.add(last_out, micro, data_s)
+            window.add(out, micro, data_s)
             del micro, batch  # free this step's batch before the next one is fetched
-            overflow = scaler.is_enabled() and scaler.get_scale() >= 1.0
-            bad_in_row = 0 if last_out["finite"] or overflow else bad_in_row + 1
+            overflow = s.scaler.is_enabled() and s.scaler.get_scale() >= 1.0  # fp16 scale search, not a fault
+            bad_in_row = 0 if out["finite"] or overflow else bad_in_row + 1
             if bad_in_row >= t.max_bad_steps:
                 raise TrainingAborted(
                     f"{bad_in_row} optimizer steps in a row had non-finite loss or gradients (step "
                     f"{progress['step']}); lower train.lr (now {t.lr}), raise train.warmup_steps, keep "
                     f"train.clip_norm > 0, or use train.precision=fp32 to rule out overflow")
-            step = progress["step"]
-            monitor.advance()
+            s.monitor.advance()
             if profiler:
-                profiler.step()
-                if step == t.profile_steps + 2:
-                    profiler.stop()
-                    (run_dir / "profile.txt").write_text(profiler.key_averages().table(
-                        sort_by="self_cpu_time_total", row_limit=40))
-                    profiler = None
-            finished = step >= t.max_steps
+                profiler.step(progress["step"])
             time_up = _agree(bool(t.max_minutes) and progress["elapsed_s"] >= 60 * t.max_minutes
                              or stop.requested, rt)
-            if step % t.log_every == 0 or finished or time_up:
-                monitor.log(step, "train", window.summary(scheduler.get_last_lr()[0], last_out["grad_norm"],
-                                                          rt.decoder_device))
-                window.reset()
-            early_stop = False
-            if step % t.eval_every == 0 or finished or time_up:
-                early_stop = validate(cfg, rt, model, valid_loader, valid_ds, tokenizer, monitor, progress,
-                                      snapshot_fn=lambda: snapshot(cfg, meta, model, optimizer, scheduler,
-                                                                   scaler, progress))
-                evaluated_at = step
-                window.reset()  # evaluation time is not training throughput
-            if step % t.ckpt_every == 0 or finished or time_up or early_stop:
-                if rt.is_main:
-                    checkpoint.save_step(snapshot(cfg, meta, model, optimizer, scheduler, scaler, progress),
-                                         run_dir, t.keep_last)
-                saved_at = step
-            if time_up or early_stop:
+            if after_step(s, window, out, time_up):
                 reason = "signal" if stop.requested else "time limit" if time_up else "early stopping"
-                monitor.write(f"stopping at step {step}: {reason}")
+                s.monitor.write(f"stopping at step {progress['step']}: {reason}")
                 break
+        s.monitor.hparams(flatten(cfg), {"hparam/best_valid_loss": progress["best"] or float("nan"),
+                                         "hparam/steps": progress["step"]})
     finally:
         stop.restore()
-        monitor.close()
-    summary = {"steps": progress["step"], "best": progress["best"], "minutes": progress["elapsed_s"] / 60,
-               "saved_at": saved_at, "evaluated_at": evaluated_at, "run_dir": str(run_dir)}
-    return summary
+        s.monitor.close()
+    return {"steps": progress["step"], "best": progress["best"], "minutes": progress["elapsed_s"] / 60,
+            "run_dir": str(cfg.run_dir)}
 
 
-def validate(cfg: Config, rt: Runtime, model, valid_loader, valid_ds, tokenizer, monitor: Monitor,
-             progress: dict, snapshot_fn) -> bool:
-    """Validation loss (+ samples), best-checkpoint bookkeeping; returns True when patience runs out."""
+def after_step(s: Session, window: Window, out: dict, time_up: bool) -> bool:
+    """Log, validate and checkpoint on their intervals; True when training must stop now."""
+    t, step = s.cfg.train, s.progress["step"]
+    final = step >= t.max_steps or time_up
+    lr = s.scheduler.get_last_lr()[0]
+    if step % t.log_every == 0 or final:
+        s.monitor.log(step, "train", window.summary(lr, out["grad_norm"]))
+        window.reset()
+    early_stop = False
+    if step % t.eval_every == 0 or final:
+        early_stop = validate(s, {"lr": lr, "grad_norm": out["grad_norm"].item()})
+        window.reset()  # evaluation time is not training throughput
+    if step % t.ckpt_every == 0 or final or early_stop:
+        if s.rt.is_main:
+            checkpoint.save_step(s.snapshot(), s.cfg.run_dir, t.keep_last)
+    return time_up or early_stop
+
+
+def validate(s: Session, extra: dict) -> bool:
+    """Validation loss (+ samples) and best-checkpoint bookkeeping; True when patience runs out."""
     started = time.perf_counter()
-    metrics = evaluate_loss(runtime.decoding_model(model), valid_loader, rt)
+    metrics = evaluate_loss(runtime.decoding_model(s.model), s.valid_loader, s.rt)
     metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
-    monitor.log(progress["step"], "valid", metrics)
-    if rt.is_main and cfg.train.sample_summaries:
-        monitor.text("samples", sample_summaries(model, valid_ds, tokenizer, rt, cfg.train.sample_summaries),
-                     progress["step"])
+    s.monitor.log(s.progress["step"], "valid", {**metrics, **extra})
+    if s.rt.is_main and s.cfg.train.sample_summaries:
+        s.monitor.text("samples", sample_summaries(s.model, s.valid_ds, s.tokenizer, s.rt,
+                                                   s.cfg.train.sample_summaries), s.progress["step"])
     score = metrics["loss"]
-    if progress["best"] is None or score < progress["best"]:
-        progress.update(best=score, bad_evals=0)
-        if rt.is_main:
-            checkpoint.save(snapshot_fn(), cfg.run_dir / checkpoint.BEST)
+    if s.progress["best"] is None or score < s.progress["best"]:
+        s.progress.update(best=score, bad_evals=0)
+        if s.rt.is_main:
+            checkpoint.save(s.snapshot(), s.cfg.run_dir / checkpoint.BEST)
     else:
-        progress["bad_evals"] += 1
-    return bool(cfg.train.patience) and progress["bad_evals"] >= cfg.train.patience
+        s.progress["bad_evals"] += 1
+    return bool(s.cfg.train.patience) and s.progress["bad_evals"] >= s.cfg.train.patience

@@ -11,9 +11,11 @@ def test_defaults_then_yaml_then_overrides(tmp_path):
     cfg = load_config(path, ["train.lr=3e-4", "data.splits={train: [train, valid]}", "train.betas=[0.9, 0.99]"])
     assert cfg.model.d_model == 128  # from YAML
     assert cfg.train.lr == pytest.approx(3e-4)  # override wins; `3e-4` is a YAML 1.1 string, accepted
-    assert cfg.data.splits == {"train": ["train", "valid"]}
+    assert cfg.data.splits == {"train": ["train", "valid"]}  # a whole mapping replaces
     assert cfg.train.betas == [0.9, 0.99]
     assert cfg.model.encoder_layers == 3  # untouched default
+    edited = load_config(None, ["data.splits.test=[test_dev]"])  # one entry edits the mapping
+    assert edited.data.splits["test"] == ["test_dev"] and edited.data.splits["train"] == ["train"]
 
 
 @pytest.mark.parametrize("override, message", [

@@ -1,5 +1,4 @@
 import numpy as np
-import pytest
 import torch
 
 from summarizer.data import PairDataset, TokenBatchSampler, collate, padding_fraction, token_budget_batches

@@ -1,0 +1,175 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from summarizer import runtime, train as train_mod
+from summarizer.config import load_config
+from summarizer.data import PairDataset, collate
+from summarizer.errors import DataError
+from summarizer.model import Seq2Seq
+from summarizer.optim import build_optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.d_model=32", "model.n_heads=4", "model.encoder_layers=1", "model.decoder_layers=1",
+         "model.ffn_dim=64", "data.batch_tokens=400", "data.num_workers=0", "train.log_every=5",
+         "train.eval_every=20", "train.ckpt_every=20", "train.warmup_steps=10", "train.sample_summaries=1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    from data_prep.__main__ import main as prep
+    data_dir = tmp_path_factory.mktemp("data") / "tiny"
+    assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={data_dir}"]) == 0
+    return data_dir
+
+
+def make_cfg(tiny_data, run_dir, *extra):
+    return load_config(ROOT / "configs/tiny.yaml",
+                       [f"data.dir={tiny_data}", f"run.dir={run_dir}", f"run.tensorboard_dir={run_dir}/tb",
+                        *SMALL, *extra])
+
+
+def train_losses(run_dir):
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["split"] == "train"]
+
+
+def test_accumulated_micro_batches_equal_one_big_batch(tiny_data):
+    cfg = make_cfg(tiny_data, "unused", "model.dropout=0.0", "train.precision=fp32", "train.clip_norm=0")
+    rt = runtime.setup(cfg)
+    ds = PairDataset.from_dir(tiny_data, "train", cfg.data)
+    pairs_a, pairs_b = [ds[i] for i in range(0, 5)], [ds[i] for i in range(5, 12)]
+    params = []
+    for micro in ([collate(pairs_a), collate(pairs_b)], [collate(pairs_a + pairs_b)]):
+        torch.manual_seed(0)
+        model = Seq2Seq(cfg.model, 192)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        train_mod.train_step(model, optimizer, runtime.make_scaler(rt), micro, rt, cfg.train)
+        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.allclose(params[0], params[1], atol=1e-6)
+
+
+def test_clipping_bounds_the_update_and_logs_the_raw_norm(tiny_data):
+    cfg = make_cfg(tiny_data, "unused", "model.dropout=0.0", "train.precision=fp32", "train.clip_norm=0.01")
+    rt = runtime.setup(cfg)
+    ds = PairDataset.from_dir(tiny_data, "train", cfg.data)
+    torch.manual_seed(0)
+    model = Seq2Seq(cfg.model, 192)
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    out = train_mod.train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), runtime.make_scaler(rt),
+                               [collate([ds[i] for i in range(8)])], rt, cfg.train)
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert out["grad_norm"] > 0.01 and out["finite"]
+    assert (after - before).norm() == pytest.approx(0.01, rel=1e-3)
+    assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none=True)
+
+
+def test_non_finite_gradients_skip_the_step(tiny_data):
+    cfg = make_cfg(tiny_data, "unused", "train.precision=fp32")
+    rt = runtime.setup(cfg)
+    ds = PairDataset.from_dir(tiny_data, "train", cfg.data)
+    model = Seq2Seq(cfg.model, 192)
+    with torch.no_grad():
+        model.decoder_norm.weight[0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    out = train_mod.train_step(model, build_optimizer(model, cfg.train), runtime.make_scaler(rt),
+                               [collate([ds[i] for i in range(4)])], rt, cfg.train)
+    assert not out["finite"]
+    assert all(torch.equal(a, b) or torch.isnan(a).any() for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
+def test_repeated_non_finite_steps_abort_with_advice(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_mod, "smoothed_nll", lambda lp, t, s: (lp.sum() * float("nan"),) * 2)
+    with pytest.raises(train_mod.TrainingAborted, match="lower train.lr"):
+        train_mod.train(make_cfg(tiny_data, tmp_path / "run", "train.max_steps=20", "train.max_bad_steps=3"))
+
+
+def test_same_seed_same_losses_with_workers(tiny_data, tmp_path):
+    extra = ["train.max_steps=15", "data.num_workers=2"]
+    train_mod.train(make_cfg(tiny_data, tmp_path / "a", *extra))
+    train_mod.train(make_cfg(tiny_data, tmp_path / "b", *extra))
+    train_mod.train(make_cfg(tiny_data, tmp_path / "c", *extra, "train.seed=99"))
+    assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")
+    assert train_losses(tmp_path / "a") != train_losses(tmp_path / "c")
+
+
+def _launch(tiny_data, run_dir, *extra):
+    args = [sys.executable, "-m", "summarizer", "train", "--config", str(ROOT / "configs/tiny.yaml"),
+            f"data.dir={tiny_data}", f"run.dir={run_dir}", f"run.tensorboard_dir={run_dir}/tb", *SMALL, *extra]
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _wait_for(path: Path, proc, timeout=60):
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_resume_after_sigkill_logs_exactly_the_uninterrupted_losses(tiny_data, tmp_path):
+    extra = ["train.max_steps=80", "train.ckpt_every=20", "train.eval_every=40"]
+    reference = _launch(tiny_data, tmp_path / "ref", *extra)
+    assert reference.wait(timeout=300) == 0
+    killed = _launch(tiny_data, tmp_path / "killed", *extra)
+    _wait_for(tmp_path / "killed" / "ckpt_00000040.pt", killed)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert not (tmp_path / "killed" / "ckpt_00000080.pt").exists(), "the run finished before the kill"
+    resumed = _launch(tiny_data, tmp_path / "killed", *extra)
+    assert resumed.wait(timeout=300) == 0, resumed.stdout.read().decode()[-2000:]
+    assert train_losses(tmp_path / "killed") == train_losses(tmp_path / "ref")
+    assert [s for s, _ in train_losses(tmp_path / "ref")] == list(range(5, 81, 5))
+
+
+def test_sigterm_checkpoints_then_exits_cleanly(tiny_data, tmp_path):
+    proc = _launch(tiny_data, tmp_path / "run", "train.max_steps=100000", "train.ckpt_every=100000",
+                   "train.eval_every=100000")
+    _wait_for(tmp_path / "run" / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    pointer = json.loads((tmp_path / "run" / "latest.json").read_text())
+    assert pointer["step"] >= 5 and (tmp_path / "run" / pointer["checkpoint"]).exists()
+
+
+def test_resuming_on_data_with_another_tokenizer_is_refused(tiny_data, tmp_path):
+    from data_prep.__main__ import main as prep
+    run = tmp_path / "run"
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=5"))
+    other = tmp_path / "other"
+    assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={other}", "data.vocab_size=120"]) == 0
+    cfg = make_cfg(tiny_data, run, "train.max_steps=10")
+    cfg.data.dir = str(other)
+    with pytest.raises(DataError, match="tokenizer mismatch"):
+        train_mod.train(cfg)
+
+
+def test_run_dir_records_config_manifest_and_tensorboard(tiny_data, tmp_path):
+    train_mod.train(make_cfg(tiny_data, tmp_path / "run", "train.max_steps=10", "train.profile_steps=2"))
+    run = tmp_path / "run"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["torch"] == torch.__version__ and manifest["seed"] == 1234 and manifest["data"]["spm_sha256"]
+    assert load_config(run / "config.yaml").train.max_steps == 10
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for key in ("step", "split", "loss", "lr", "grad_norm", "tokens_per_s"):
+        assert all(key in r for r in records)
+    assert {r["split"] for r in records} == {"train", "valid"}
+    assert list((run / "tb" / "tiny").glob("events.out.tfevents.*"))
+    assert (run / "profile.txt").read_text().strip() and list((run / "tb" / "tiny" / "profile").glob("*.json*"))
+
+
+def test_overfit_check_memorises_the_fixture(tiny_data, tmp_path, capsys):
+    from summarizer.overfit import overfit_check
+    cfg = load_config(ROOT / "configs/overfit.yaml", [f"data.dir={tiny_data}", f"run.dir={tmp_path / 'of'}",
+                                                      f"run.tensorboard_dir={tmp_path / 'tb'}"])
+    assert overfit_check(cfg) == 0, capsys.readouterr().out
+    assert "PASSED" in capsys.readouterr().out
