@@ -70,6 +70,7 @@ class TrainConfig:
     deterministic: bool = False  # torch.use_deterministic_algorithms
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    sdpa_backend: str = "auto"  # auto (math on CPU, torch's choice on CUDA) | default | math | flash | efficient
     max_steps: int = 10_000
     max_minutes: float = 0.0  # 0 = no time limit
     accum_steps: int = 1
@@ -157,6 +158,7 @@ class Config:
 
 _CHOICES = {
     ("train", "precision"): ("auto", "fp32", "bf16", "fp16"),
+    ("train", "sdpa_backend"): ("auto", "default", "math", "flash", "efficient"),
     ("train", "schedule"): ("inverse_sqrt", "cosine", "linear", "constant"),
     ("train", "select_by"): ("loss", "rouge"),
     ("data", "spm_model_type"): ("unigram", "bpe"),

@@ -8,6 +8,7 @@ V = vocabulary.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,12 @@ from torch import Tensor, nn
 from summarizer.config import ModelConfig
 
 PAD_ID = 0
+
+
+class DecoderOutput(NamedTuple):
+    logits: Tensor  # (B, T, V) vocabulary scores
+    copy_attn: Tensor | None  # (B, T, S) float32 attention over source positions (copy models)
+    gate: Tensor | None  # (B, T, 1) float32 probability of generating from the vocabulary
 
 
 def sinusoidal_positions(n: int, d_model: int) -> Tensor:
@@ -57,8 +64,10 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Sequential):
-    def __init__(self, d_model: int, ffn_dim: int, dropout: float):
-        super().__init__(nn.Linear(d_model, ffn_dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(ffn_dim, d_model))
+    # No dropout inside: Vaswani et al. drop only sub-layer outputs and embeddings, and on CPU the
+    # (B, N, ffn_dim) mask would be the costliest random draw of the step (measured by `make bench`).
+    def __init__(self, d_model: int, ffn_dim: int):
+        super().__init__(nn.Linear(d_model, ffn_dim), nn.GELU(), nn.Linear(ffn_dim, d_model))
 
 
 class EncoderLayer(nn.Module):
@@ -66,7 +75,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
-        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
@@ -81,7 +90,7 @@ class DecoderLayer(nn.Module):
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
         self.self_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
         self.cross_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
-        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor,
@@ -159,8 +168,9 @@ class Seq2Seq(nn.Module):
         """Cross-attention keys/values per decoder layer, computed once per source and reused each step."""
         return [layer.cross_attn.project_kv(memory) for layer in self.decoder_layers]
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None = None) -> Tensor:
-        """(B, T) target prefix ids -> (B, T, V) float32 log-probabilities.
+    def decoder_output(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor,
+                       cache: dict | None = None) -> DecoderOutput:
+        """(B, T) target prefix ids -> vocabulary logits and, with copy, copy attention and gate.
 
         With `cache` (a dict, empty at the first step), only the new positions of `tgt_in` are
         fed and past keys/values are reused: incremental decoding in O(T) per step.
@@ -178,25 +188,35 @@ class Seq2Seq(nn.Module):
             cache["length"] = past + tgt_in.shape[1]
         logits = F.linear(h, self.embedding.weight)  # (B, T, V), tied output projection
         if not self.cfg.copy:
-            return F.log_softmax(logits.float(), dim=-1)
-        return self.mix_copy(h, logits, memory, src_ids, src_mask)
-
-    def mix_copy(self, h: Tensor, logits: Tensor, memory: Tensor, src_ids: Tensor, src_mask: Tensor) -> Tensor:
-        """p(w) = g * p_vocab(w) + (1 - g) * sum_{s: src_s = w} attn_s, computed in float32."""
+            return DecoderOutput(logits, None, None)
         scores = self.copy_query(h) @ self.copy_key(memory).transpose(1, 2)  # (B, T, S)
         scores = scores.float() / math.sqrt(self.cfg.d_model)
-        scores = scores.masked_fill(~src_mask[:, 0], float("-inf"))  # mask (B, 1, S) broadcasts over T
-        attn = scores.softmax(dim=-1)  # (B, T, S)
+        attn = scores.masked_fill(~src_mask[:, 0], float("-inf")).softmax(dim=-1)  # (B, T, S)
         context = attn.to(memory.dtype) @ memory  # (B, T, D)
         gate = torch.sigmoid(self.copy_gate(torch.cat([h, context], dim=-1)).float())  # (B, T, 1)
-        probs = gate * logits.float().softmax(dim=-1)  # (B, T, V)
-        index = src_ids[:, None, :].expand(-1, h.shape[1], -1)  # (B, T, S)
-        probs = probs.scatter_add(2, index, (1.0 - gate) * attn)
+        return DecoderOutput(logits, attn, gate)
+
+    @staticmethod
+    def log_probs(out: DecoderOutput, src_ids: Tensor) -> Tensor:
+        """Full (B, T, V) float32 log p(w) = log(g * p_vocab(w) + (1 - g) * sum_{s: src_s = w} attn_s).
+
+        Decoding needs this at one position per step; training never materialises it (losses.py).
+        """
+        log_vocab = out.logits.float().log_softmax(dim=-1)
+        if out.copy_attn is None:
+            return log_vocab
+        probs = out.gate * log_vocab.exp()
+        index = src_ids[:, None, :].expand(-1, out.logits.shape[1], -1)  # (B, T, S)
+        probs = probs.scatter_add(2, index, (1.0 - out.gate) * out.copy_attn)
         return probs.clamp_min(1e-12).log()
 
-    def forward(self, src_ids: Tensor, tgt_in: Tensor) -> Tensor:
-        """(B, S) source ids, (B, T) target prefix ids -> (B, T, V) float32 log-probabilities."""
-        return self.decode(tgt_in, self.encode(src_ids), src_ids)
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None = None) -> Tensor:
+        """(B, T) target prefix ids -> (B, T, V) float32 log-probabilities (the decoding interface)."""
+        return self.log_probs(self.decoder_output(tgt_in, memory, src_ids, cache), src_ids)
+
+    def forward(self, src_ids: Tensor, tgt_in: Tensor) -> DecoderOutput:
+        """(B, S) source ids, (B, T) target prefix ids -> logits (B, T, V) [+ copy attention, gate]."""
+        return self.decoder_output(tgt_in, self.encode(src_ids), src_ids)
 
 
 def reorder_cache(cache: dict, index: Tensor) -> dict:

@@ -43,7 +43,7 @@ def overfit_check(cfg: Config) -> int:
         src = torch.zeros(len(chunk), max(len(s) for s, _ in chunk), dtype=torch.long)
         for row, (s, _) in enumerate(chunk):
             src[row, :len(s)] = torch.from_numpy(s.astype("int64"))
-        with rt.autocast():
+        with rt.compute():
             hyps = greedy(model, src.to(rt.device), max_len=pairs.max_target_len)
         exact += sum(h == t.tolist() for h, (_, t) in zip(hyps, chunk))
     share = exact / len(pairs)

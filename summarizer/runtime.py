@@ -33,13 +33,26 @@ class Runtime:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def autocast(self, device: torch.device | None = None):
-        """Mixed precision as torch.amp does it: matmuls in 16 bit, reductions and norms in fp32."""
-        device = device or self.device
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(device_type=device.type, dtype=dtype)
+    sdpa_backend: str = "auto"
+
+    def compute(self) -> contextlib.ExitStack:
+        """The context every forward pass runs in: autocast to the run's precision (matmuls in 16 bit,
+        reductions and norms kept in fp32 by torch.amp) and the attention kernel choice."""
+        stack = contextlib.ExitStack()
+        if self.precision != "fp32":
+            dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+            for device_type in {self.device.type, self.decoder_device.type}:
+                stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype))
+        backend = self.sdpa_backend
+        if backend == "auto":
+            # At sentence lengths the CPU flash kernel loses to plain matmul + softmax (bench row
+            # "attention kernel"); on CUDA torch's own choice is the fused kernels.
+            backend = "math" if "cpu" in (self.device.type, self.decoder_device.type) else "default"
+        if backend != "default":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            stack.enter_context(sdpa_kernel({"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+                                             "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]))
+        return stack
 
 
 def move(x: Tensor, device: torch.device) -> Tensor:
@@ -137,7 +150,7 @@ def setup(cfg: Config) -> Runtime:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     precision = resolve_precision(cfg.train.precision, decoder_device)
-    return Runtime(device, decoder_device, precision, rank, world_size, local_rank)
+    return Runtime(device, decoder_device, precision, rank, world_size, local_rank, cfg.train.sdpa_backend)
 
 
 def teardown() -> None:
@@ -170,21 +183,27 @@ class PlacedSeq2Seq(nn.Module):
         memory = self.inner.run_encoder(x, self.inner.source_mask(move(src_ids, self.enc_dev)))
         return move(memory, self.dec_dev)
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None = None) -> Tensor:
-        return self.inner.decode(move(tgt_in, self.dec_dev), move(memory, self.dec_dev),
-                                 move(src_ids, self.dec_dev), cache)
+    def decoder_output(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None = None):
+        return self.inner.decoder_output(move(tgt_in, self.dec_dev), move(memory, self.dec_dev),
+                                         move(src_ids, self.dec_dev), cache)
 
-    def forward(self, src_ids: Tensor, tgt_in: Tensor) -> Tensor:
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None = None) -> Tensor:
+        src_dec = move(src_ids, self.dec_dev)
+        return self.inner.log_probs(self.decoder_output(tgt_in, memory, src_dec, cache), src_dec)
+
+    def forward(self, src_ids: Tensor, tgt_in: Tensor):
         if self.chunks <= 1:
-            return self.decode(tgt_in, self.encode(src_ids), src_ids)
+            return self.decoder_output(tgt_in, self.encode(src_ids), src_ids)
         src_chunks, tgt_chunks = src_ids.chunk(self.chunks), tgt_in.chunk(self.chunks)
         memories = [self.encode(src_chunks[0])]
         outputs = []
         for i in range(len(src_chunks)):
             if i + 1 < len(src_chunks):  # queue the next encoder chunk before this decoder chunk
                 memories.append(self.encode(src_chunks[i + 1]))
-            outputs.append(self.decode(tgt_chunks[i], memories[i], src_chunks[i]))
-        return torch.cat(outputs, dim=0)
+            outputs.append(self.decoder_output(tgt_chunks[i], memories[i], src_chunks[i]))
+        # Chunks share T but not S (each is padded to the whole batch's S already, so S matches too).
+        return type(outputs[0])(*(None if parts[0] is None else torch.cat(parts, dim=0)
+                                  for parts in zip(*outputs)))
 
 
 def place_model(model: nn.Module, rt: Runtime, chunks: int = 1) -> nn.Module:

@@ -32,8 +32,11 @@ class TrainingAborted(UserError):
 
 def to_device(batch: dict, rt: Runtime) -> dict:
     """Source ids to the encoder's device, targets to the decoder's; non-blocking from pinned memory."""
-    return {"src_ids": move(batch["src_ids"], rt.device), "tgt_in": move(batch["tgt_in"], rt.decoder_device),
-            "tgt_out": move(batch["tgt_out"], rt.decoder_device), "n_src": batch["n_src"], "n_tgt": batch["n_tgt"]}
+    src_ids = move(batch["src_ids"], rt.device)
+    return {"src_ids": src_ids, "tgt_in": move(batch["tgt_in"], rt.decoder_device),
+            "tgt_out": move(batch["tgt_out"], rt.decoder_device), "n_src": batch["n_src"], "n_tgt": batch["n_tgt"],
+            # the copy loss compares source and target ids where the decoder is
+            "src_ids_dec": src_ids if rt.device == rt.decoder_device else move(batch["src_ids"], rt.decoder_device)}
 
 
 def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], rt: Runtime,
@@ -49,13 +52,13 @@ def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], r
         # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
         sync = rt.distributed and i < len(micro_batches) - 1
         with model.no_sync() if sync else contextlib.nullcontext():
-            with rt.autocast():
-                log_probs = model(batch["src_ids"], batch["tgt_in"])  # (B, T, V) float32
-            loss, nll = smoothed_nll(log_probs, batch["tgt_out"], cfg.label_smoothing)
+            with rt.compute():
+                out = model(batch["src_ids"], batch["tgt_in"])  # logits (B, T, V) [+ copy attention, gate]
+            loss, nll = smoothed_nll(out, batch["tgt_out"], batch["src_ids_dec"], cfg.label_smoothing)
             scaler.scale(loss * (rt.world_size / total)).backward()
         loss_sum += loss.detach()
         nll_sum += nll
-        del log_probs, loss  # drop graph references before the next micro-batch allocates its own
+        del out, loss  # drop graph references before the next micro-batch allocates its own
     scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm if cfg.clip_norm > 0 else math.inf)
     finite = bool(torch.isfinite(grad_norm))
@@ -78,9 +81,9 @@ def evaluate_loss(model: nn.Module, loader, rt: Runtime) -> dict:
     tokens = 0
     for batch in loader:
         batch = to_device(batch, rt)
-        with rt.autocast():
-            log_probs = model(batch["src_ids"], batch["tgt_in"])
-        nll_sum += smoothed_nll(log_probs, batch["tgt_out"], 0.0)[1].double()
+        with rt.compute():
+            out = model(batch["src_ids"], batch["tgt_in"])
+        nll_sum += smoothed_nll(out, batch["tgt_out"], batch["src_ids_dec"], 0.0)[1].double()
         tokens += batch["n_tgt"]
     totals = runtime.all_reduce_sum(torch.stack([nll_sum, torch.tensor(float(tokens), device=nll_sum.device,
                                                                        dtype=torch.float64)]), rt)
@@ -147,7 +150,7 @@ def sample_summaries(model, dataset: PairDataset, tokenizer: Tokenizer, rt: Runt
     src = torch.zeros(len(pairs), max(len(s) for s, _ in pairs), dtype=torch.long)
     for row, (s, _) in enumerate(pairs):
         src[row, :len(s)] = torch.from_numpy(s.astype("int64"))
-    with rt.autocast():
+    with rt.compute():
         hyps = greedy(runtime.decoding_model(model), move(src, rt.device), max_len=dataset.max_target_len)
     return "\n\n".join(f"source: {tokenizer.decode(s.tolist())}  \nreference: {tokenizer.decode(t.tolist())}  \n"
                        f"greedy: {tokenizer.decode(h)}" for (s, t), h in zip(pairs, hyps))

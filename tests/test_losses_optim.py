@@ -5,6 +5,7 @@ import torch
 
 from summarizer.config import TrainConfig
 from summarizer.losses import smoothed_nll
+from summarizer.model import DecoderOutput
 from summarizer.optim import build_optimizer, lr_factor
 
 
@@ -12,8 +13,7 @@ def test_nll_matches_cross_entropy_and_ignores_padding():
     torch.manual_seed(0)
     logits = torch.randn(2, 4, 10)
     target = torch.tensor([[5, 6, 3, 0], [1, 3, 0, 0]])
-    log_probs = logits.log_softmax(-1)
-    loss, nll = smoothed_nll(log_probs, target, 0.0)
+    loss, nll = smoothed_nll(DecoderOutput(logits, None, None), target, None, 0.0)
     ref = torch.nn.functional.cross_entropy(logits.view(-1, 10), target.view(-1), ignore_index=0, reduction="sum")
     assert torch.allclose(loss, ref) and torch.allclose(nll, ref)
 
@@ -23,10 +23,27 @@ def test_label_smoothing_matches_torch():
     logits = torch.randn(3, 5, 12)
     target = torch.randint(1, 12, (3, 5))
     target[0, 3:] = 0
-    loss, _ = smoothed_nll(logits.log_softmax(-1), target, 0.1)
+    loss, _ = smoothed_nll(DecoderOutput(logits, None, None), target, None, 0.1)
     ref = torch.nn.functional.cross_entropy(logits.view(-1, 12), target.view(-1), ignore_index=0,
                                             label_smoothing=0.1, reduction="sum")
     assert torch.allclose(loss, ref, atol=1e-5)
+
+
+def test_copy_nll_equals_the_full_mixture_distribution():
+    from summarizer.config import ModelConfig
+    from summarizer.model import Seq2Seq
+    torch.manual_seed(0)
+    model = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32,
+                                dropout=0.0), 30)
+    src, tgt_in = torch.randint(4, 30, (3, 6)), torch.randint(4, 30, (3, 4))
+    src[0, 4:] = 0
+    target = torch.cat([src[:, :3], torch.randint(4, 30, (3, 1))], dim=1)  # copyable and generated tokens
+    target[2, 3] = 0
+    out = model(src, tgt_in)
+    full = model.log_probs(out, src)  # (B, T, V) mixture
+    ref = -full.gather(-1, target.unsqueeze(-1)).squeeze(-1).masked_fill(target == 0, 0).sum()
+    loss, nll = smoothed_nll(out, target, src, 0.0)
+    assert torch.allclose(nll, ref, atol=1e-5) and torch.allclose(loss, ref, atol=1e-5)
 
 
 @pytest.mark.parametrize("schedule", ["inverse_sqrt", "cosine", "linear", "constant"])
@@ -49,3 +66,28 @@ def test_no_weight_decay_on_norms_biases_embedding():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decay["params"])
     assert any(p is model.embedding.weight for p in no_decay["params"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_vocab_stats_gradient_matches_autograd(dtype):
+    from summarizer.losses import VocabStats
+    torch.manual_seed(0)
+    base = torch.randn(6, 11).to(dtype)
+    target = torch.randint(0, 11, (6,))
+    weights = torch.randn(3, 6)
+
+    def reference(x):
+        x = x.float()
+        return torch.logsumexp(x, -1), x.gather(-1, target[:, None]).squeeze(-1), x.mean(-1)
+
+    grads, values = [], []
+    for fn in (reference, lambda x: VocabStats.apply(x, target)):
+        x = base.clone().requires_grad_()
+        outs = fn(x)
+        sum(w @ o for w, o in zip(weights, outs)).backward()
+        grads.append(x.grad.float())
+        values.append(torch.stack(outs))
+        assert x.grad.dtype == dtype and torch.equal(x.detach(), base)  # input untouched
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(values[0], values[1], atol=1e-6)
+    assert torch.allclose(grads[0], grads[1], atol=tol)

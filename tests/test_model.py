@@ -21,7 +21,11 @@ def test_shapes_tally_and_outputs_are_distributions(copy):
     assert memory.shape == (3, 7, 32)
     kv = model.memory_kv(memory)
     assert len(kv) == 2 and kv[0][0].shape == (3, 4, 7, 8)  # (B, H, S, D/H)
-    log_probs = model(src, tgt)
+    out = model(src, tgt)
+    assert out.logits.shape == (3, 5, 50)
+    if copy:
+        assert out.copy_attn.shape == (3, 5, 7) and out.gate.shape == (3, 5, 1)
+    log_probs = model.decode(tgt, memory, src)
     assert log_probs.shape == (3, 5, 50) and log_probs.dtype == torch.float32
     assert torch.allclose(log_probs.exp().sum(-1), torch.ones(3, 5), atol=1e-5)
 
@@ -32,9 +36,10 @@ def test_padding_does_not_change_real_positions(copy):
     src, tgt = torch.randint(4, 50, (2, 6)), torch.randint(4, 50, (2, 4))
     padded_src = torch.cat([src, torch.zeros(2, 5, dtype=torch.long)], dim=1)
     padded_tgt = torch.cat([tgt, torch.zeros(2, 3, dtype=torch.long)], dim=1)
-    ref = model(src, tgt)
-    assert torch.allclose(model(padded_src, tgt), ref, atol=1e-5)
-    assert torch.allclose(model(padded_src, padded_tgt)[:, :4], ref, atol=1e-5)
+    full = lambda s, t: model.decode(t, model.encode(s), s)  # noqa: E731
+    ref = full(src, tgt)
+    assert torch.allclose(full(padded_src, tgt), ref, atol=1e-5)
+    assert torch.allclose(full(padded_src, padded_tgt)[:, :4], ref, atol=1e-5)
 
 
 def test_decoder_is_causal():
@@ -42,7 +47,7 @@ def test_decoder_is_causal():
     src, tgt = torch.randint(4, 50, (1, 6)), torch.randint(4, 50, (1, 5))
     changed = tgt.clone()
     changed[0, 3] = (tgt[0, 3] + 1) % 46 + 4
-    a, b = model(src, tgt), model(src, changed)
+    a, b = model(src, tgt).logits, model(src, changed).logits
     assert torch.allclose(a[:, :3], b[:, :3], atol=1e-6)
     assert not torch.allclose(a[:, 3:], b[:, 3:])
 
@@ -51,8 +56,8 @@ def test_decoder_is_causal():
 def test_kv_cached_decoding_equals_full_recomputation(copy):
     model = tiny_model(copy)
     src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 6))
-    full = model(src, tgt)
     memory, cache = model.encode(src), {}
+    full = model.decode(tgt, memory, src)
     steps = [model.decode(tgt[:, i:i + 1], memory, src, cache) for i in range(6)]
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
     reordered = reorder_cache(cache, torch.tensor([2, 0]))
@@ -64,14 +69,15 @@ def test_copy_puts_mass_on_source_tokens():
     with torch.no_grad():
         model.copy_gate.bias.fill_(-20.0)  # gate -> 0: everything comes from copy attention
     src = torch.tensor([[7, 9, 11, 0]])
-    probs = model(src, torch.tensor([[2, 7]])).exp()
+    probs = model.decode(torch.tensor([[2, 7]]), model.encode(src), src).exp()
     assert torch.allclose(probs[0, :, [7, 9, 11]].sum(-1), torch.ones(2), atol=1e-4)
 
 
 def test_gradients_reach_every_parameter():
     model = tiny_model().train()
     src, tgt = torch.randint(4, 50, (2, 5)), torch.randint(4, 50, (2, 4))
-    model(src, tgt).mean().backward()
+    out = model(src, tgt)
+    (out.logits.float().mean() + out.copy_attn.mean() + out.gate.mean()).backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not missing
 

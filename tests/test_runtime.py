@@ -37,7 +37,9 @@ def test_placement_cpu_cpu_matches_single_device():
     src, tgt = torch.randint(4, 40, (4, 6)), torch.randint(4, 40, (4, 5))
     ref = model(src, tgt)
     placed = runtime.PlacedSeq2Seq(model, torch.device("cpu"), torch.device("cpu"), chunks=2)
-    assert torch.allclose(placed(src, tgt), ref, atol=1e-6)
+    for got, want in zip(placed(src, tgt), ref):
+        assert torch.allclose(got, want, atol=1e-6)
+    assert torch.allclose(placed.decode(tgt, placed.encode(src), src), model.decode(tgt, model.encode(src), src))
     assert runtime.unwrap(placed) is model
 
 

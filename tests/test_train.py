@@ -48,6 +48,7 @@ def test_accumulated_micro_batches_equal_one_big_batch(tiny_data):
     pairs_a, pairs_b = [ds[i] for i in range(0, 5)], [ds[i] for i in range(5, 12)]
     params = []
     for micro in ([collate(pairs_a), collate(pairs_b)], [collate(pairs_a + pairs_b)]):
+        micro = [train_mod.to_device(b, rt) for b in micro]
         torch.manual_seed(0)
         model = Seq2Seq(cfg.model, 192)
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -64,7 +65,7 @@ def test_clipping_bounds_the_update_and_logs_the_raw_norm(tiny_data):
     model = Seq2Seq(cfg.model, 192)
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
     out = train_mod.train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), runtime.make_scaler(rt),
-                               [collate([ds[i] for i in range(8)])], rt, cfg.train)
+                               [train_mod.to_device(collate([ds[i] for i in range(8)]), rt)], rt, cfg.train)
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert out["grad_norm"] > 0.01 and out["finite"]
     assert (after - before).norm() == pytest.approx(0.01, rel=1e-3)
@@ -80,14 +81,14 @@ def test_non_finite_gradients_skip_the_step(tiny_data):
         model.decoder_norm.weight[0] = float("nan")
     before = [p.detach().clone() for p in model.parameters()]
     out = train_mod.train_step(model, build_optimizer(model, cfg.train), runtime.make_scaler(rt),
-                               [collate([ds[i] for i in range(4)])], rt, cfg.train)
+                               [train_mod.to_device(collate([ds[i] for i in range(4)]), rt)], rt, cfg.train)
     assert not out["finite"]
     assert all(torch.equal(a, b) or torch.isnan(a).any() for a, b in zip(before, model.parameters()))
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
 def test_repeated_non_finite_steps_abort_with_advice(tiny_data, tmp_path, monkeypatch):
-    monkeypatch.setattr(train_mod, "smoothed_nll", lambda lp, t, s: (lp.sum() * float("nan"),) * 2)
+    monkeypatch.setattr(train_mod, "smoothed_nll", lambda out, t, src, s: (out.logits.sum() * float("nan"),) * 2)
     with pytest.raises(train_mod.TrainingAborted, match="lower train.lr"):
         train_mod.train(make_cfg(tiny_data, tmp_path / "run", "train.max_steps=20", "train.max_bad_steps=3"))
 
