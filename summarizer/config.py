@@ -255,7 +255,7 @@ def validate(cfg: Config) -> None:
                 "train.log_every": t.log_every, "train.eval_every": t.eval_every,
                 "train.ckpt_every": t.ckpt_every, "data.batch_tokens": d.batch_tokens,
                 "data.vocab_size": d.vocab_size, "eval.beam_size": cfg.eval.beam_size,
-                "eval.batch_size": cfg.eval.batch_size, "placement.pipeline_chunks": cfg.placement.pipeline_chunks}
+                "eval.batch_size": cfg.eval.batch_size, "eval.bootstrap_samples": cfg.eval.bootstrap_samples, "placement.pipeline_chunks": cfg.placement.pipeline_chunks}
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")

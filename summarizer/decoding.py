@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from summarizer.model import reorder_cache
 from summarizer.tokenizer import BOS, EOS, PAD
 
 
@@ -18,9 +19,22 @@ def _block_repeats(log_probs: Tensor, prefixes: Tensor, n: int) -> Tensor:
     hits = (grams[:, :, :-1] == tail[:, None, :]).all(dim=-1)  # (N, L-n+1)
     rows, cols = hits.nonzero(as_tuple=True)
     if rows.numel():
-        log_probs = log_probs.clone()
         log_probs[rows, grams[rows, cols, -1]] = float("-inf")
     return log_probs
+
+
+def _constrain(log_probs: Tensor, step: int, prefixes: Tensor, min_len: int, max_len: int, no_repeat_ngram: int) -> Tensor:
+    """Rules both decoders apply to a step's (N, V) scores: never PAD or BOS; no EOS before min_len;
+    only EOS once max_len tokens exist; no repeated n-gram."""
+    log_probs = log_probs.clone()
+    log_probs[:, [PAD, BOS]] = float("-inf")
+    if step < min_len:
+        log_probs[:, EOS] = float("-inf")
+    if step >= max_len:
+        eos = log_probs[:, EOS].clone()
+        log_probs.fill_(float("-inf"))
+        log_probs[:, EOS] = eos
+    return _block_repeats(log_probs, prefixes, no_repeat_ngram)
 
 
 @torch.inference_mode()
@@ -34,11 +48,8 @@ def greedy(model, src_ids: Tensor, max_len: int = 30, min_len: int = 1, no_repea
     cache: dict | None = {} if use_cache else None
     for step in range(max_len + 1):
         step_in = out[:, -1:] if use_cache else out
-        log_probs = model.decode(step_in, memory, src_ids, cache)[:, -1]  # (B, V)
-        log_probs = log_probs.to(src_ids.device)
-        if step < min_len:
-            log_probs[:, EOS] = float("-inf")
-        log_probs = _block_repeats(log_probs, out[:, 1:], no_repeat_ngram)
+        log_probs = model.decode(step_in, memory, src_ids, cache)[:, -1].to(src_ids.device)  # (B, V)
+        log_probs = _constrain(log_probs, step, out[:, 1:], min_len, max_len, no_repeat_ngram)
         next_ids = log_probs.argmax(dim=-1).masked_fill(done, PAD)
         out = torch.cat([out, next_ids[:, None]], dim=1)
         done |= next_ids == EOS
@@ -52,3 +63,62 @@ def _strip(ids: list[int]) -> list[int]:
     if EOS in ids:
         ids = ids[:ids.index(EOS)]
     return [i for i in ids if i != PAD]
+
+
+@torch.inference_mode()
+def beam_search(model, src_ids: Tensor, beam_size: int = 4, max_len: int = 30, min_len: int = 1,
+                length_penalty: float = 1.0, no_repeat_ngram: int = 0, use_cache: bool = True) -> list[list[int]]:
+    """(B, S) source ids -> B lists of target ids: the best hypothesis by score / length**length_penalty.
+
+    A hypothesis is finalised when it emits EOS (fairseq-style), and the beam keeps `beam_size` live
+    hypotheses; a sentence stops once it holds `beam_size` finished ones, and the search stops when
+    every sentence has. Scores are sums of log-probabilities; length counts tokens including EOS.
+    """
+    batch, k, device = src_ids.shape[0], beam_size, src_ids.device
+    memory = model.encode(src_ids)
+    rows = torch.arange(batch, device=device).repeat_interleave(k)  # beam row -> sentence
+    memory, src = memory.index_select(0, rows.to(memory.device)), src_ids.index_select(0, rows)
+    prefixes = torch.full((batch * k, 1), BOS, dtype=torch.long, device=device)
+    scores = torch.full((batch, k), float("-inf"), device=device)
+    scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
+    cache: dict | None = {} if use_cache else None
+    for step in range(max_len + 1):
+        step_in = prefixes[:, -1:] if use_cache else prefixes
+        log_probs = model.decode(step_in, memory, src, cache)[:, -1].to(device)  # (B*K, V)
+        log_probs = _constrain(log_probs, step, prefixes[:, 1:], min_len, max_len, no_repeat_ngram)
+        vocab = log_probs.shape[-1]
+        candidates = (scores.view(-1, 1) + log_probs).view(batch, k * vocab)
+        top_scores, top_index = candidates.topk(2 * k, dim=-1)  # (B, 2K): at most K of them end in EOS
+        beam, token = top_index // vocab, top_index % vocab
+        is_eos = (token == EOS) & torch.isfinite(top_scores)
+        # Finalise EOS candidates ranked within the top K; they leave the live beam.
+        for b, j in (is_eos & (torch.arange(2 * k, device=device) < k)).nonzero().tolist():
+            if len(finished[b]) < k:
+                hyp = prefixes[b * k + beam[b, j]].tolist()[1:]
+                finished[b].append((top_scores[b, j].item() / (len(hyp) + 1) ** length_penalty, hyp))
+        if all(len(f) >= k for f in finished):
+            break
+        # The K best non-EOS candidates continue.
+        live = ~is_eos
+        keep = live & (live.cumsum(dim=1) <= k)
+        scores = top_scores[keep].view(batch, k)
+        source_rows = (torch.arange(batch, device=device)[:, None] * k + beam)[keep]
+        prefixes = torch.cat([prefixes[source_rows], token[keep].view(-1, 1)], dim=1)
+        done = torch.tensor([len(f) >= k for f in finished], device=device)
+        scores = scores.masked_fill(done[:, None], float("-inf"))  # finished sentences stop competing
+        if cache is not None:
+            cache = reorder_cache(cache, source_rows.to(_cache_device(cache)))
+    return [max(f, key=lambda item: item[0])[1] if f else [] for f in finished]
+
+
+def _cache_device(cache: dict) -> torch.device:
+    return cache["memory_kv"][0][0].device
+
+
+def decode_batch(model, src_ids: Tensor, beam_size: int, **kwargs) -> list[list[int]]:
+    """Greedy for beam 1 (cheaper bookkeeping), beam search otherwise."""
+    if beam_size == 1:
+        kwargs.pop("length_penalty", None)
+        return greedy(model, src_ids, **kwargs)
+    return beam_search(model, src_ids, beam_size, **kwargs)
