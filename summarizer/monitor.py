@@ -143,32 +143,33 @@ def flatten(cfg: Config) -> dict:
 
 
 class Window:
-    """Sums between two log points, kept as device tensors so logging costs one sync per interval."""
+    """Sums between two log points, kept as device tensors so logging costs one sync per interval;
+    under DDP every rank calls `summary` at the same step and the sums are all-reduced there."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, rt):
+        self.rt, self.device = rt, rt.decoder_device
         self.reset()
 
     def reset(self) -> None:
-        self.steps, self.tokens, self.data_s, self.skipped = 0, 0, 0.0, 0
-        self.nll = torch.zeros((), device=self.device)
-        self.loss = torch.zeros((), device=self.device)
+        self.steps, self.data_s, self.skipped = 0, 0.0, 0
+        self.sums = torch.zeros(3, device=self.device)  # nll / global tokens, loss / global tokens, tokens
         self.started = time.perf_counter()
 
     def add(self, out: dict, micro_batches: list[dict], data_s: float) -> None:
         self.steps += 1
-        self.tokens += sum(b["n_src"] + b["n_tgt"] for b in micro_batches)
         self.data_s += data_s
         self.skipped += not out["finite"]
-        self.nll += out["nll_sum"] / out["tokens"]
-        self.loss += out["loss_sum"] / out["tokens"]
+        tokens = sum(b["n_src"] + b["n_tgt"] for b in micro_batches)
+        self.sums += torch.stack([out["nll_sum"] / out["tokens"], out["loss_sum"] / out["tokens"],
+                                  torch.tensor(float(tokens), device=self.device)])
 
     def summary(self, lr: float, grad_norm: torch.Tensor) -> dict:
+        from summarizer.runtime import all_reduce_sum
+        nll, loss, tokens = all_reduce_sum(self.sums, self.rt).tolist()  # the one host sync
         seconds = time.perf_counter() - self.started
         steps = max(self.steps, 1)
-        return {"loss": (self.nll / steps).item(), "smoothed_loss": (self.loss / steps).item(),
-                "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": self.tokens / seconds,
-                "step_s": seconds / steps, "data_wait": self.data_s / seconds,
+        return {"loss": nll / steps, "smoothed_loss": loss / steps, "lr": lr, "grad_norm": grad_norm.item(),
+                "tokens_per_s": tokens / seconds, "step_s": seconds / steps, "data_wait": self.data_s / seconds,
                 "skipped_steps": self.skipped, "peak_memory_mb": peak_memory_mb(self.device)}
 
 

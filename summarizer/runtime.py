@@ -134,6 +134,8 @@ def setup(cfg: Config) -> Runtime:
     if split:
         device = resolve_device(placement.encoder_device or cfg.train.device)
         decoder_device = resolve_device(placement.decoder_device or cfg.train.device)
+        if world_size > 1 and "cuda" in (device.type, decoder_device.type):
+            device, decoder_device = _per_rank_pair(device, decoder_device, local_rank)
     else:
         device = resolve_device(placement.encoder_device or cfg.train.device)
         if device.type == "cuda" and world_size > 1:
@@ -151,6 +153,23 @@ def setup(cfg: Config) -> Runtime:
         torch.backends.cudnn.allow_tf32 = True
     precision = resolve_precision(cfg.train.precision, decoder_device)
     return Runtime(device, decoder_device, precision, rank, world_size, local_rank, cfg.train.sdpa_backend)
+
+
+def _per_rank_pair(encoder: torch.device, decoder: torch.device, local_rank: int) -> tuple:
+    """DDP x model parallel: local rank r owns the placement's GPUs shifted by r * (GPUs per process),
+    so `cuda:0`/`cuda:1` means GPUs 0,1 for rank 0, GPUs 2,3 for rank 1, and so on."""
+    per_process = len({d.index for d in (encoder, decoder) if d.type == "cuda"})
+
+    def shift(d: torch.device) -> torch.device:
+        return torch.device("cuda", (d.index or 0) + local_rank * per_process) if d.type == "cuda" else d
+
+    encoder, decoder = shift(encoder), shift(decoder)
+    needed = max(d.index for d in (encoder, decoder) if d.type == "cuda") + 1
+    if needed > torch.cuda.device_count():
+        raise ConfigError(f"DDP with model parallelism: local rank {local_rank} needs GPU {needed - 1}, but this "
+                          f"node has {torch.cuda.device_count()}; use --nproc_per_node="
+                          f"{torch.cuda.device_count() // per_process} (GPUs / {per_process} per process)")
+    return encoder, decoder
 
 
 def teardown() -> None:

@@ -68,8 +68,9 @@ def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], r
     elif finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=cfg.set_to_none)
-    return {"loss_sum": loss_sum, "nll_sum": nll_sum, "tokens": total / rt.world_size,
-            "grad_norm": grad_norm.detach(), "finite": finite}
+    # Local sums; `tokens` is the global target count they are normalised by (Window all-reduces).
+    return {"loss_sum": loss_sum, "nll_sum": nll_sum, "tokens": total, "grad_norm": grad_norm.detach(),
+            "finite": finite}
 
 
 @torch.inference_mode()
@@ -235,7 +236,7 @@ def train(cfg: Config) -> dict:
     """Train (or resume) the run `cfg.run.name` until max_steps, max_minutes, a signal or early stopping."""
     s = open_session(cfg)
     t, rt, progress = cfg.train, s.rt, s.progress
-    stop, window, bad_in_row = StopFlag(), Window(rt.decoder_device), 0
+    stop, window, bad_in_row = StopFlag(), Window(rt), 0
     profiler = Profiler(t.profile_steps, cfg.tensorboard_dir / "profile", cfg.run_dir / "profile.txt",
                         rt.decoder_device.type == "cuda") if t.profile_steps > 0 and rt.is_main else None
     started = time.perf_counter() - progress["elapsed_s"]

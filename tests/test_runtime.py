@@ -47,3 +47,13 @@ def test_setup_single_process_cpu():
     rt = runtime.setup(load_config(None, ["train.device=cpu", "train.precision=fp32"]))
     assert rt.device == rt.decoder_device == torch.device("cpu") and rt.world_size == 1 and rt.is_main
     assert not runtime.make_scaler(rt).is_enabled()
+
+
+def test_ddp_with_model_parallel_gives_each_rank_its_own_gpu_pair(monkeypatch):
+    cuda = lambda i: torch.device("cuda", i)  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert runtime._per_rank_pair(cuda(0), cuda(1), local_rank=1) == (cuda(2), cuda(3))
+    assert runtime._per_rank_pair(cuda(0), torch.device("cpu"), local_rank=3) == (cuda(3), torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="nproc_per_node=1"):
+        runtime._per_rank_pair(cuda(0), cuda(1), local_rank=1)

@@ -1,0 +1,55 @@
+"""DDP through torchrun (gloo on CPU) and model-parallel placement give the single-device losses."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from summarizer.config import load_config
+from summarizer.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+EXACT = ["model.d_model=32", "model.ffn_dim=64", "model.encoder_layers=1", "model.decoder_layers=1",
+         "model.dropout=0.0", "train.precision=fp32", "data.num_workers=0", "data.batch_tokens=400",
+         "train.max_steps=6", "train.log_every=1", "train.eval_every=3", "train.ckpt_every=3",
+         "train.warmup_steps=2", "train.sample_summaries=0"]
+
+
+def records(run_dir: Path, split: str) -> list[tuple[int, float]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["split"] == split]
+
+
+def assert_same(a, b):
+    assert [s for s, _ in a] == [s for s, _ in b]
+    assert all(x == pytest.approx(y, rel=1e-5, abs=1e-6) for (_, x), (_, y) in zip(a, b))
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_prepared, tmp_path):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this python")
+    common = ["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tiny_prepared}",
+              f"run.tensorboard_dir={tmp_path / 'tb'}", *EXACT]
+    train(load_config(common[1], common[2:] + [f"run.dir={tmp_path / 'one'}", "train.accum_steps=2"]))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "-m", "summarizer", "train", *common,
+                           f"run.dir={tmp_path / 'two'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same(records(tmp_path / "two", "train"), records(tmp_path / "one", "train"))
+    assert_same(records(tmp_path / "two", "valid"), records(tmp_path / "one", "valid"))
+    assert (tmp_path / "two" / "ckpt_00000006.pt").exists()
+
+
+def test_model_parallel_placement_cpu_cpu_equals_one_device(tiny_prepared, tmp_path):
+    base = [f"data.dir={tiny_prepared}", f"run.tensorboard_dir={tmp_path / 'tb'}", *EXACT]
+    train(load_config(ROOT / "configs/tiny.yaml", base + [f"run.dir={tmp_path / 'one'}"]))
+    train(load_config(ROOT / "configs/tiny.yaml", base + [
+        f"run.dir={tmp_path / 'split'}", "placement.encoder_device=cpu:0", "placement.decoder_device=cpu",
+        "placement.pipeline_chunks=2"]))
+    assert_same(records(tmp_path / "split", "train"), records(tmp_path / "one", "train"))
