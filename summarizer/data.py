@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from summarizer.config import DataConfig
 from summarizer.prepared import load_split
-from summarizer.runtime import seed_worker
+from summarizer.runtime import init_worker
 from summarizer.tokenizer import BOS, EOS, PAD
 
 
@@ -150,7 +150,7 @@ def make_loader(dataset: PairDataset, sampler: TokenBatchSampler, cfg: DataConfi
         dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
         # Page-locked host buffers make host->GPU copies faster and allow them to be asynchronous.
         pin_memory=cfg.pin_memory and device.type == "cuda",
-        worker_init_fn=seed_worker,
+        worker_init_fn=init_worker,
         # A private generator: creating an iterator must not draw from the global RNG, or a resumed
         # run (which creates one more iterator) would see different dropout masks.
         generator=torch.Generator().manual_seed(seed), **extra)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -117,11 +118,15 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.deterministic = True
 
 
-def seed_worker(worker_id: int) -> None:
-    """DataLoader worker_init_fn: derive numpy/random seeds from torch's per-worker seed."""
+def init_worker(worker_id: int) -> None:
+    """DataLoader worker_init_fn: seed numpy/random from torch's per-worker seed, and ignore SIGINT and
+    SIGTERM. Ctrl-C and schedulers signal the whole process group; a worker that died of it would
+    crash the main process before it could checkpoint. The main process decides, then stops them."""
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def setup(cfg: Config) -> Runtime:

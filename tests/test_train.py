@@ -102,11 +102,11 @@ def test_same_seed_same_losses_with_workers(tiny_data, tmp_path):
     assert train_losses(tmp_path / "a") != train_losses(tmp_path / "c")
 
 
-def _launch(tiny_data, run_dir, *extra):
+def _launch(tiny_data, run_dir, *extra, new_session=False):
     args = [sys.executable, "-m", "summarizer", "train", "--config", str(ROOT / "configs/tiny.yaml"),
             f"data.dir={tiny_data}", f"run.dir={run_dir}", f"run.tensorboard_dir={run_dir}/tb", *SMALL, *extra]
     return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=new_session)
 
 
 def _wait_for(path: Path, proc, timeout=60):
@@ -132,12 +132,14 @@ def test_resume_after_sigkill_logs_exactly_the_uninterrupted_losses(tiny_data, t
     assert [s for s, _ in train_losses(tmp_path / "ref")] == list(range(5, 81, 5))
 
 
-def test_sigterm_checkpoints_then_exits_cleanly(tiny_data, tmp_path):
+@pytest.mark.parametrize("sig, workers", [(signal.SIGTERM, 0), (signal.SIGINT, 2), (signal.SIGTERM, 2)])
+def test_signal_to_the_process_group_checkpoints_then_exits_cleanly(tiny_data, tmp_path, sig, workers):
+    # Ctrl-C and batch schedulers signal every process of the group, DataLoader workers included.
     proc = _launch(tiny_data, tmp_path / "run", "train.max_steps=100000", "train.ckpt_every=100000",
-                   "train.eval_every=100000")
+                   "train.eval_every=100000", f"data.num_workers={workers}", new_session=True)
     _wait_for(tmp_path / "run" / "metrics.jsonl", proc)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0
+    os.killpg(proc.pid, sig)
+    assert proc.wait(timeout=120) == 0, proc.stdout.read().decode()[-2000:]
     pointer = json.loads((tmp_path / "run" / "latest.json").read_text())
     assert pointer["step"] >= 5 and (tmp_path / "run" / pointer["checkpoint"]).exists()
 
