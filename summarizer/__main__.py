@@ -32,8 +32,9 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "train":
         from summarizer.train import train
         summary = train(cfg)
-        print(f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best valid loss "
-              f"{summary['best']:.4f}; checkpoints in {summary['run_dir']}")
+        best = f"{summary['best']:.4f}" if summary["best"] is not None else "n/a"
+        print(f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best valid loss {best}; "
+              f"checkpoints in {summary['run_dir']}")
         return 0
     if args.command == "overfit":
         from summarizer.overfit import overfit_check

@@ -45,6 +45,7 @@ class DataConfig:
     max_target_len: int = 48
     batch_tokens: int = 3000  # token budget per micro-batch (padded source + target)
     bucket_size: int = 100  # batches per length-sorted pool; larger = less padding, less randomness
+    pad_multiple: int = 1  # pad batch lengths up to a multiple of this: fewer distinct shapes for kernel caches
     num_workers: int = 2
     pin_memory: bool = True  # only has an effect on CUDA
     persistent_workers: bool = True
@@ -84,6 +85,7 @@ class TrainConfig:
     clip_norm: float = 1.0  # 0 = no clipping (the norm is still logged)
     max_bad_steps: int = 5  # abort after this many non-finite steps in a row
     set_to_none: bool = True
+    fused_loss: bool = True  # one-pass vocabulary loss with an in-place backward (losses.VocabStats)
     cudnn_benchmark: bool = True
     compile: bool = False
     log_every: int = 50  # host syncs (.item()) happen only here
@@ -134,6 +136,8 @@ class BenchConfig:
     steps: int = 10  # optimizer steps per measured repeat
     find_batch_tokens: bool = True
     max_batch_tokens: int = 262_144
+    rows: list = field(default_factory=list)  # practices to run; [] = all (names: `python -m summarizer bench`)
+    decode_sentences: int = 64  # sentences decoded by the KV-cache row
 
 
 @dataclass
@@ -254,7 +258,7 @@ def validate(cfg: Config) -> None:
                 "train.accum_steps": t.accum_steps, "train.max_steps": t.max_steps,
                 "train.log_every": t.log_every, "train.eval_every": t.eval_every,
                 "train.ckpt_every": t.ckpt_every, "data.batch_tokens": d.batch_tokens,
-                "data.vocab_size": d.vocab_size, "eval.beam_size": cfg.eval.beam_size,
+                "data.vocab_size": d.vocab_size, "data.pad_multiple": d.pad_multiple, "eval.beam_size": cfg.eval.beam_size,
                 "eval.batch_size": cfg.eval.batch_size, "eval.bootstrap_samples": cfg.eval.bootstrap_samples, "placement.pipeline_chunks": cfg.placement.pipeline_chunks}
     for key, value in positive.items():
         if value <= 0:

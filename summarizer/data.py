@@ -1,6 +1,7 @@
 """Batches from prepared data: memory-mapped pairs, a token-budget length-bucketed sampler, collate, loaders."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -47,11 +48,17 @@ class PairDataset(Dataset):
         return [self[i] for i in indices]
 
 
-def collate(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
-    """Pad to the longest pair: src_ids (B, S); tgt_in = BOS + y and tgt_out = y + EOS, both (B, T)."""
+def round_up(n, multiple: int):
+    """Lengths padded up to a multiple (works on ints and numpy arrays)."""
+    return -(-n // multiple) * multiple
+
+
+def collate(pairs: list[tuple[np.ndarray, np.ndarray]], pad_multiple: int = 1) -> dict:
+    """Pad to the longest pair (rounded up to `pad_multiple`): src_ids (B, S); tgt_in = BOS + y and
+    tgt_out = y + EOS, both (B, T)."""
     n = len(pairs)
-    s_max = max(len(s) for s, _ in pairs)
-    t_max = max(len(t) for _, t in pairs) + 1
+    s_max = round_up(max(len(s) for s, _ in pairs), pad_multiple)
+    t_max = round_up(max(len(t) for _, t in pairs) + 1, pad_multiple)
     src = np.full((n, s_max), PAD, dtype=np.int64)
     tgt_in = np.full((n, t_max), PAD, dtype=np.int64)
     tgt_out = np.full((n, t_max), PAD, dtype=np.int64)
@@ -70,8 +77,10 @@ def collate(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
 
 
 def token_budget_batches(order: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray,
-                         batch_tokens: int) -> list[list[int]]:
+                         batch_tokens: int, pad_multiple: int = 1) -> list[list[int]]:
     """Greedily cut `order` into batches whose padded size B * (max_src + max_tgt) fits the budget."""
+    if pad_multiple > 1:
+        src_lens, tgt_lens = round_up(src_lens, pad_multiple), round_up(tgt_lens, pad_multiple)
     batches, current, s_max, t_max = [], [], 0, 0
     for i in order.tolist():
         s, t = max(s_max, src_lens[i]), max(t_max, tgt_lens[i])
@@ -96,8 +105,9 @@ class TokenBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, src_lens: np.ndarray, tgt_lens: np.ndarray, batch_tokens: int, bucket_size: int = 100,
-                 shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1, even: bool = True):
-        self.src_lens, self.tgt_lens = src_lens, tgt_lens
+                 shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1, even: bool = True,
+                 pad_multiple: int = 1):
+        self.src_lens, self.tgt_lens, self.pad_multiple = src_lens, tgt_lens, pad_multiple
         self.batch_tokens, self.bucket_size, self.shuffle, self.seed = batch_tokens, bucket_size, shuffle, seed
         self.rank, self.world_size, self.even = rank, world_size, even
         self.epoch, self.start = 0, 0
@@ -125,7 +135,7 @@ class TokenBatchSampler(Sampler[list[int]]):
             order = np.concatenate([by_length(chunk) for chunk in np.array_split(perm, max(1, len(perm) // pool))])
         else:
             order = by_length(np.arange(len(self.src_lens)))
-        batches = token_budget_batches(order, self.src_lens, self.tgt_lens, self.batch_tokens)
+        batches = token_budget_batches(order, self.src_lens, self.tgt_lens, self.batch_tokens, self.pad_multiple)
         if self.shuffle:
             batches = [batches[i] for i in rng.permutation(len(batches))]
         # Training ranks must run the same number of steps, or DDP's all-reduce would wait forever;
@@ -147,7 +157,8 @@ def make_loader(dataset: PairDataset, sampler: TokenBatchSampler, cfg: DataConfi
     workers = cfg.num_workers
     extra = {"persistent_workers": cfg.persistent_workers, "prefetch_factor": cfg.prefetch_factor} if workers else {}
     return DataLoader(
-        dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+        dataset, batch_sampler=sampler, collate_fn=functools.partial(collate, pad_multiple=cfg.pad_multiple),
+        num_workers=workers,
         # Page-locked host buffers make host->GPU copies faster and allow them to be asynchronous.
         pin_memory=cfg.pin_memory and device.type == "cuda",
         worker_init_fn=init_worker,

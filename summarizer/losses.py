@@ -33,7 +33,14 @@ class VocabStats(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None
 
 
-def smoothed_nll(out: DecoderOutput, target: Tensor, src_ids: Tensor, smoothing: float) -> tuple[Tensor, Tensor]:
+def vocab_stats_autograd(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The same three statistics through plain autograd: the reference VocabStats is tested and benched against."""
+    x = logits.float()
+    return torch.logsumexp(x, dim=-1), x.gather(-1, target.unsqueeze(-1)).squeeze(-1), x.mean(dim=-1)
+
+
+def smoothed_nll(out: DecoderOutput, target: Tensor, src_ids: Tensor, smoothing: float,
+                 fused: bool = True) -> tuple[Tensor, Tensor]:
     """-> (loss_sum, nll_sum) over non-pad target tokens, float32 scalars; target is (B, T).
 
     Only the target's probability is formed, never the full (B, T, V) mixture: per position,
@@ -44,8 +51,8 @@ def smoothed_nll(out: DecoderOutput, target: Tensor, src_ids: Tensor, smoothing:
     """
     mask = target != PAD_ID  # (B, T)
     b, t, v = out.logits.shape
-    lse, target_logit, mean_logit = (s.view(b, t) for s in VocabStats.apply(out.logits.reshape(b * t, v),
-                                                                             target.reshape(b * t)))
+    stats = VocabStats.apply if fused else vocab_stats_autograd
+    lse, target_logit, mean_logit = (s.view(b, t) for s in stats(out.logits.reshape(b * t, v), target.reshape(b * t)))
     if out.copy_attn is None:
         nll = lse - target_logit
     else:

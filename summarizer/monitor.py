@@ -21,7 +21,13 @@ def peak_memory_mb(device: torch.device) -> float:
     CPU: the process's peak resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    # VmHWM is this address space's own high-water mark; ru_maxrss survives exec, so a freshly
+    # spawned process would report its parent's peak.
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def current_memory_mb(device: torch.device) -> float:

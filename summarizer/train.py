@@ -54,7 +54,7 @@ def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], r
         with model.no_sync() if sync else contextlib.nullcontext():
             with rt.compute():
                 out = model(batch["src_ids"], batch["tgt_in"])  # logits (B, T, V) [+ copy attention, gate]
-            loss, nll = smoothed_nll(out, batch["tgt_out"], batch["src_ids_dec"], cfg.label_smoothing)
+            loss, nll = smoothed_nll(out, batch["tgt_out"], batch["src_ids_dec"], cfg.label_smoothing, cfg.fused_loss)
             scaler.scale(loss * (rt.world_size / total)).backward()
         loss_sum += loss.detach()
         nll_sum += nll
@@ -213,14 +213,15 @@ def open_session(cfg: Config) -> Session:
         model = torch.compile(model)
     train_ds = PairDataset.from_dir(cfg.data.dir, "train", cfg.data, limit=cfg.data.train_limit)
     sampler = TokenBatchSampler(train_ds.src_lens, train_ds.tgt_lens, cfg.data.batch_tokens, cfg.data.bucket_size,
-                                shuffle=True, seed=cfg.train.seed, rank=rt.rank, world_size=rt.world_size)
+                                shuffle=True, seed=cfg.train.seed, rank=rt.rank, world_size=rt.world_size,
+                                pad_multiple=cfg.data.pad_multiple)
     stream = batches_forever(make_loader(train_ds, sampler, cfg.data, rt.device, cfg.train.seed), sampler,
                              progress["epoch"], progress["position"])
     valid_split = "valid" if "valid" in meta["splits"] else "train"
     valid_ds = PairDataset.from_dir(cfg.data.dir, valid_split, cfg.data)
     valid_loader = make_loader(valid_ds, TokenBatchSampler(
         valid_ds.src_lens, valid_ds.tgt_lens, cfg.data.batch_tokens, shuffle=False, rank=rt.rank,
-        world_size=rt.world_size, even=False), cfg.data, rt.device, cfg.train.seed)
+        world_size=rt.world_size, even=False, pad_multiple=cfg.data.pad_multiple), cfg.data, rt.device, cfg.train.seed)
     if rt.is_main:
         save_config(cfg, cfg.run_dir / "config.yaml")
         write_manifest(cfg, cfg.run_dir, [rt.device, rt.decoder_device], rt.precision, meta, rt.world_size)

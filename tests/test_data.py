@@ -79,3 +79,13 @@ def test_getitems_matches_getitem():
     ds = make_dataset()
     for (a, b), i in zip(ds.__getitems__([3, 7]), [3, 7]):
         assert np.array_equal(a, ds[i][0]) and np.array_equal(b, ds[i][1])
+
+
+def test_pad_multiple_rounds_shapes_and_keeps_the_budget():
+    ds = make_dataset()
+    sampler = TokenBatchSampler(ds.src_lens, ds.tgt_lens, 400, seed=0, pad_multiple=8)
+    for b in sampler:
+        batch = collate([ds[i] for i in b], pad_multiple=8)
+        s, t = batch["src_ids"].shape[1], batch["tgt_in"].shape[1]
+        assert s % 8 == 0 and t % 8 == 0 and len(b) * (s + t) <= 400
+        assert batch["n_tgt"] == int(ds.tgt_lens[b].sum())  # real tokens only

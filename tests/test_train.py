@@ -88,7 +88,7 @@ def test_non_finite_gradients_skip_the_step(tiny_data):
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
 def test_repeated_non_finite_steps_abort_with_advice(tiny_data, tmp_path, monkeypatch):
-    monkeypatch.setattr(train_mod, "smoothed_nll", lambda out, t, src, s: (out.logits.sum() * float("nan"),) * 2)
+    monkeypatch.setattr(train_mod, "smoothed_nll", lambda out, t, src, s, fused=True: (out.logits.sum() * float("nan"),) * 2)
     with pytest.raises(train_mod.TrainingAborted, match="lower train.lr"):
         train_mod.train(make_cfg(tiny_data, tmp_path / "run", "train.max_steps=20", "train.max_bad_steps=3"))
 

@@ -1,0 +1,258 @@
+"""The practices benchmark: each practice measured on and off on short fixed workloads, on this machine."""
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from summarizer import bench_memory, runtime
+from summarizer.config import Config
+from summarizer.data import PairDataset, TokenBatchSampler, make_loader, padding_fraction
+from summarizer.decoding import beam_search
+from summarizer.prepared import read_meta
+from summarizer.train import batches_forever, build, to_device, train_step
+
+
+def variant(cfg: Config, *overrides: tuple[str, str, object]) -> Config:
+    out = copy.deepcopy(cfg)
+    for section, key, value in overrides:
+        setattr(getattr(out, section), key, value)
+    return out
+
+
+class FixedSizeSampler(TokenBatchSampler):
+    """Random fixed-size batches (no length bucketing): the baseline the token-budget sampler replaces."""
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        self.n, self.batch_size, self.seed, self.epoch, self.start = n, batch_size, seed, 0, 0
+
+    def plan(self, epoch: int) -> list[list[int]]:
+        perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return [perm[i:i + self.batch_size].tolist() for i in range(0, self.n, self.batch_size)]
+
+
+def stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def training_rate(cfg: Config, fixed_batches: bool = False, item_every_step: bool = False) -> dict:
+    """tokens/s of `bench.steps` optimizer steps, data loading included; `bench.repeats` after warm-up."""
+    rt = runtime.setup(cfg)
+    torch.manual_seed(cfg.train.seed)
+    meta = read_meta(cfg.data.dir)
+    model, optimizer, _, scaler = build(cfg, rt, meta)
+    if cfg.train.compile:
+        model = torch.compile(model)
+    ds = PairDataset.from_dir(cfg.data.dir, "train", cfg.data)
+    bucketed = TokenBatchSampler(ds.src_lens, ds.tgt_lens, cfg.data.batch_tokens, cfg.data.bucket_size,
+                                 seed=cfg.train.seed, pad_multiple=cfg.data.pad_multiple)
+    sampler = FixedSizeSampler(len(ds), max(1, round(len(ds) / len(bucketed.plan(0)))), cfg.train.seed) \
+        if fixed_batches else bucketed
+    stream = batches_forever(make_loader(ds, sampler, cfg.data, rt.device, cfg.train.seed), sampler, 0, 0)
+    rates = []
+    for repeat in range(cfg.bench.warmup + cfg.bench.repeats):
+        started, tokens = time.perf_counter(), 0
+        for _ in range(cfg.bench.steps):
+            micro = [to_device(next(stream)[0], rt) for _ in range(cfg.train.accum_steps)]
+            out = train_step(model, optimizer, scaler, micro, rt, cfg.train)
+            tokens += sum(b["n_src"] + b["n_tgt"] for b in micro)
+            if item_every_step:  # what logging every step costs: host syncs for each value
+                out["nll_sum"].item(), out["grad_norm"].item()
+        if rt.decoder_device.type == "cuda":
+            torch.cuda.synchronize(rt.decoder_device)
+        if repeat >= cfg.bench.warmup:
+            rates.append(tokens / (time.perf_counter() - started))
+    result = stats(rates)
+    result["padding"] = padding_fraction(sampler.plan(0), ds.src_lens, ds.tgt_lens)
+    return result
+
+
+def decode_rate(cfg: Config, use_cache: bool) -> dict:
+    """Beam-4 sentences/s on the first `bench.decode_sentences` valid (or train) sources."""
+    rt = runtime.setup(cfg)
+    torch.manual_seed(cfg.train.seed)
+    meta = read_meta(cfg.data.dir)
+    model = build(cfg, rt, meta)[0].eval()
+    ds = PairDataset.from_dir(cfg.data.dir, "valid" if "valid" in meta["splits"] else "train", cfg.data)
+    n = min(cfg.bench.decode_sentences, len(ds))
+    src = torch.zeros(n, int(ds.src_lens[:n].max()), dtype=torch.long)
+    for i in range(n):
+        s = ds[i][0]
+        src[i, :len(s)] = torch.from_numpy(s.astype("int64"))
+    rates = []
+    for repeat in range(cfg.bench.warmup + cfg.bench.repeats):
+        started = time.perf_counter()
+        with rt.compute():
+            beam_search(runtime.decoding_model(model), src.to(rt.device), 4, max_len=cfg.eval.max_len,
+                        use_cache=use_cache)
+        if repeat >= cfg.bench.warmup:
+            rates.append(n / (time.perf_counter() - started))
+    return stats(rates)
+
+
+def memory_row(cfg_on: Config, on: str, cfg_off: Config, off: str, steps: int) -> dict:
+    """Peak memory of two variants, each in fresh processes (up to 3 repeats: memory barely varies)."""
+    values = {}
+    for key, cfg, which in (("on", cfg_on, on), ("off", cfg_off, off)):
+        runs = [bench_memory.peak_memory(cfg, which, steps) for _ in range(max(1, min(cfg.bench.repeats, 3)))]
+        errors = [r["error"] for r in runs if "error" in r]
+        if errors:
+            raise RuntimeError(errors[0])
+        values[key] = stats([r["peak_mb"] for r in runs])
+    return values
+
+
+def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
+    """name -> (what is compared, unit, higher_is_better, measure() -> {"on": stats, "off": stats})."""
+    cuda = runtime.resolve_device(cfg.train.device).type == "cuda"
+    best = runtime.resolve_precision("auto", runtime.resolve_device(cfg.train.device))
+    t = lambda *o, **kw: training_rate(variant(cfg, *o), **kw)  # noqa: E731
+    on_off = lambda on, off: (lambda: {"on": on(), "off": off()})  # noqa: E731
+    quarter = max(cfg.data.batch_tokens // 4, cfg.data.max_source_len + cfg.data.max_target_len)
+    table = {
+        "workers": (f"num_workers {max(cfg.data.num_workers, 2)} vs 0", "tokens/s", "higher", on_off(
+            lambda: t(("data", "num_workers", max(cfg.data.num_workers, 2))), lambda: t(("data", "num_workers", 0)))),
+        "precision_bf16": ("bf16 autocast vs fp32", "tokens/s", "higher", on_off(
+            lambda: t(("train", "precision", "bf16")), lambda: t(("train", "precision", "fp32")))),
+        "set_to_none": ("zero_grad(set_to_none=True) vs writing zeros", "tokens/s", "higher", on_off(
+            lambda: t(("train", "set_to_none", True)), lambda: t(("train", "set_to_none", False)))),
+        "bucketing": ("token-budget length buckets vs random fixed-size batches", "tokens/s", "higher", on_off(
+            lambda: t(), lambda: t(fixed_batches=True))),
+        "accumulation": ("1 x batch vs 4 x batch/4 (same tokens per update)", "tokens/s", "higher", on_off(
+            lambda: t(), lambda: t(("train", "accum_steps", 4), ("data", "batch_tokens", quarter)))),
+        "item_at_log_intervals": (".item() at log intervals vs every step", "tokens/s", "higher", on_off(
+            lambda: t(), lambda: t(item_every_step=True))),
+        "fused_loss": ("fused vocabulary loss vs autograd logsumexp/gather/mean", "tokens/s", "higher", on_off(
+            lambda: t(("train", "fused_loss", True)), lambda: t(("train", "fused_loss", False)))),
+        "attention_kernel": ("SDPA math kernel vs flash" if not cuda else "SDPA default vs math", "tokens/s",
+                             "higher", on_off(lambda: t(("train", "sdpa_backend", "auto")),
+                                              lambda: t(("train", "sdpa_backend", "math" if cuda else "flash")))),
+        "kv_cache": ("beam-4 decoding with KV cache vs recomputing the prefix", "sentences/s", "higher", on_off(
+            lambda: decode_rate(cfg, True), lambda: decode_rate(cfg, False))),
+        "compile": ("torch.compile vs eager", "tokens/s", "higher", on_off(
+            lambda: t(("train", "compile", True)), lambda: t(("train", "compile", False)))),
+        "memory_eval_no_grad": ("evaluation: inference_mode + .item() vs autograd on + summed loss tensors",
+                                "peak MiB", "lower", lambda: memory_row(cfg, "eval_item", cfg, "eval_tensor", 8)),
+        "memory_del_outputs": ("last step's outputs deleted vs kept referenced", "peak MiB", "lower",
+                               lambda: memory_row(cfg, "train", cfg, "keep_outputs", 3)),
+        "memory_precision": (f"step memory {best} vs fp32", "peak MiB", "lower", lambda: memory_row(
+            variant(cfg, ("train", "precision", best)), "train", variant(cfg, ("train", "precision", "fp32")),
+            "train", 2)),
+        "naive_vs_default": ("every practice on (default config) vs every practice off", "tokens/s", "higher",
+                             on_off(lambda: t(), lambda: t(
+                                 ("data", "num_workers", 0), ("train", "precision", "fp32"),
+                                 ("train", "set_to_none", False), ("train", "fused_loss", False),
+                                 ("train", "sdpa_backend", "default"), fixed_batches=True, item_every_step=True))),
+    }
+    if cuda:
+        table["precision_fp16"] = ("fp16 autocast + GradScaler vs fp32", "tokens/s", "higher", on_off(
+            lambda: t(("train", "precision", "fp16")), lambda: t(("train", "precision", "fp32"))))
+        table["pin_memory"] = ("pinned memory + non-blocking copies vs pageable", "tokens/s", "higher", on_off(
+            lambda: t(("data", "pin_memory", True)), lambda: t(("data", "pin_memory", False))))
+        table["cudnn_benchmark"] = ("cudnn.benchmark on vs off", "tokens/s", "higher", on_off(
+            lambda: t(("train", "cudnn_benchmark", True)), lambda: t(("train", "cudnn_benchmark", False))))
+    if cuda and torch.cuda.device_count() >= 2:
+        split = (("placement", "encoder_device", "cuda:0"), ("placement", "decoder_device", "cuda:1"))
+        table["pipeline_chunks"] = ("encoder/decoder on two GPUs: 4 pipeline chunks vs 1", "tokens/s", "higher",
+                                    on_off(lambda: t(*split, ("placement", "pipeline_chunks", 4)),
+                                           lambda: t(*split, ("placement", "pipeline_chunks", 1))))
+    if best == "fp32":
+        for name in ("precision_bf16", "memory_precision"):
+            table.pop(name)
+    return table
+
+
+NOT_HERE = {"precision_bf16": "no fast bf16 on this device", "precision_fp16": "needs CUDA",
+            "pin_memory": "needs CUDA (pinning only speeds up host-to-GPU copies)",
+            "cudnn_benchmark": "needs CUDA", "pipeline_chunks": "needs two GPUs",
+            "memory_precision": "no 16-bit mode worth measuring on this device"}
+
+
+def _fmt(s: dict) -> str:
+    return f"{s['median']:.0f} [{s['min']:.0f}-{s['max']:.0f}]" if s["median"] >= 10 else \
+        f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+
+
+def run_bench(cfg: Config) -> list[dict]:
+    """Measure every (selected) row; print the table; write bench.json, bench.md and TensorBoard scalars."""
+    table = rows(cfg)
+    wanted = cfg.bench.rows or list(table) + [n for n in NOT_HERE if n not in table]
+    unknown = [n for n in wanted if n not in table and n not in NOT_HERE]
+    if unknown:
+        from summarizer.errors import ConfigError
+        raise ConfigError(f"unknown bench rows {unknown}; choose from {sorted(set(table) | set(NOT_HERE))}")
+    results = []
+    for name in wanted:
+        if name not in table:
+            results.append({"practice": name, "skipped": NOT_HERE[name]})
+            continue
+        what, unit, better, measure = table[name]
+        print(f"bench: {name} ({what}) ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        try:
+            values = measure()
+        except Exception as exc:  # a practice that fails here (e.g. compile without a compiler) is a finding
+            results.append({"practice": name, "compared": what, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+        ratio = values["on"]["median"] / max(values["off"]["median"], 1e-9)
+        results.append({"practice": name, "compared": what, "unit": unit, "better": better, "on": values["on"],
+                        "off": values["off"], "ratio": ratio, "seconds": time.perf_counter() - started,
+                        **({"padding_on": values["on"]["padding"], "padding_off": values["off"]["padding"]}
+                           if "padding" in values["on"] and name == "bucketing" else {})})
+    if cfg.bench.find_batch_tokens:
+        results.append(batch_search_row(cfg))
+    write_outputs(cfg, results)
+    return results
+
+
+def batch_search_row(cfg: Config) -> dict:
+    device = runtime.resolve_device(cfg.train.device)
+    budget = bench_memory.memory_budget_mb(device)
+    found, trials = bench_memory.largest_batch_tokens(cfg, budget, cfg.data.batch_tokens, cfg.bench.max_batch_tokens)
+    scale = found / cfg.data.batch_tokens
+    return {"practice": "max_batch_tokens", "compared": "largest data.batch_tokens whose worst-case step fits",
+            "budget_mb": budget, "batch_tokens": found, "trials": trials,
+            "lr_linear_rule": cfg.train.lr * scale, "lr_sqrt_rule": cfg.train.lr * scale ** 0.5}
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| practice | compared | on | off | unit | on/off |", "|---|---|---|---|---|---|"]
+    for r in results:
+        if "skipped" in r:
+            lines.append(f"| {r['practice']} | not measured: {r['skipped']} | | | | |")
+        elif "error" in r:
+            lines.append(f"| {r['practice']} | {r['compared']} | failed: {r['error']} | | | |")
+        elif r["practice"] == "max_batch_tokens":
+            lines.append(f"| max_batch_tokens | {r['compared']} (budget {r['budget_mb']:.0f} MiB) | "
+                         f"{r['batch_tokens']} | | tokens | lr {r['lr_linear_rule']:.2g} (linear rule), "
+                         f"{r['lr_sqrt_rule']:.2g} (sqrt rule) |")
+        else:
+            extra = f" (padding {r['padding_on']:.1%} vs {r['padding_off']:.1%})" if "padding_on" in r else ""
+            lines.append(f"| {r['practice']} | {r['compared']}{extra} | {_fmt(r['on'])} | {_fmt(r['off'])} | "
+                         f"{r['unit']} | {r['ratio']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(cfg: Config, results: list[dict]) -> None:
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / "bench.json").write_text(json.dumps(results, indent=2))
+    table = markdown(results)
+    header = (f"Medians of {cfg.bench.repeats} repeats of {cfg.bench.steps} steps after {cfg.bench.warmup} "
+              f"warm-up, [min-max]; device {runtime.resolve_device(cfg.train.device)}, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads.\n\n")
+    (cfg.run_dir / "bench.md").write_text(header + table)
+    from torch.utils.tensorboard import SummaryWriter
+    with SummaryWriter(str(cfg.tensorboard_dir) + "-bench") as writer:
+        for r in results:
+            if "ratio" in r:
+                writer.add_scalar(f"bench/{r['practice']}/on", r["on"]["median"], 0)
+                writer.add_scalar(f"bench/{r['practice']}/off", r["off"]["median"], 0)
+                writer.add_scalar(f"bench/{r['practice']}/ratio", r["ratio"], 0)
+        writer.add_text("bench", header + table, 0)
+    print(header + table)

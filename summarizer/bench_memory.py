@@ -1,0 +1,125 @@
+"""Memory figures for the bench: each variant runs in a fresh process, so its peak is its own."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import torch
+
+from summarizer import runtime
+from summarizer.config import Config, from_dict, to_dict
+from summarizer.monitor import current_memory_mb, peak_memory_mb
+
+
+def _child(cfg_dict: dict, variant: str, steps: int, batch_tokens: int, queue) -> None:
+    """Run `steps` steps of one variant; report the peak memory above the post-setup baseline."""
+    try:
+        queue.put(_measure(from_dict(cfg_dict), variant, steps, batch_tokens))
+    except Exception as exc:  # reported to the parent, which decides what a failure means
+        queue.put({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"})
+
+
+def _synthetic_batch(cfg: Config, batch_tokens: int, vocab: int) -> dict:
+    """A worst-case batch: every pair at the maximum lengths, as many as the budget allows."""
+    s, t = cfg.data.max_source_len, cfg.data.max_target_len + 1
+    n = max(1, batch_tokens // (s + t))
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(4, vocab, (n, s), generator=g)
+    tgt = torch.randint(4, vocab, (n, t), generator=g)
+    return {"src_ids": src, "tgt_in": tgt, "tgt_out": tgt, "n_src": n * s, "n_tgt": n * t, "src_ids_dec": src}
+
+
+def _measure(cfg: Config, variant: str, steps: int, batch_tokens: int) -> dict:
+    from summarizer.losses import smoothed_nll
+    from summarizer.model import Seq2Seq
+    from summarizer.prepared import read_meta
+    from summarizer.train import to_device
+    rt = runtime.setup(cfg)
+    torch.manual_seed(0)
+    vocab = read_meta(cfg.data.dir)["vocab_size"]
+    model = runtime.place_model(Seq2Seq(cfg.model, vocab), rt)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = to_device(_synthetic_batch(cfg, batch_tokens, vocab), rt)
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    base = peak_memory_mb(rt.device) if rt.device.type == "cuda" else current_memory_mb(rt.device)
+    kept, total = [], 0.0
+    for _ in range(steps):
+        if variant == "eval_tensor":  # evaluation with autograd on, summing loss tensors
+            with rt.compute():
+                out = model(batch["src_ids"], batch["tgt_in"])
+            kept.append(smoothed_nll(out, batch["tgt_out"], batch["src_ids_dec"], 0.0)[0])  # keeps its graph
+            del out
+            continue
+        if variant == "eval_item":  # evaluation as evaluate_loss does it
+            with torch.inference_mode(), rt.compute():
+                out = model(batch["src_ids"], batch["tgt_in"])
+                total += smoothed_nll(out, batch["tgt_out"], batch["src_ids_dec"], 0.0)[1].item()
+            del out
+            continue
+        with rt.compute():
+            out = model(batch["src_ids"], batch["tgt_in"])
+        loss, _ = smoothed_nll(out, batch["tgt_out"], batch["src_ids_dec"], 0.1)
+        (loss / batch["n_tgt"]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if variant == "keep_outputs":
+            kept = [out, loss]  # last step's outputs stay referenced while the next step allocates
+        else:
+            del out, loss
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize(rt.device)
+    return {"peak_mb": peak_memory_mb(rt.device) - base}
+
+
+def peak_memory(cfg: Config, variant: str, steps: int, batch_tokens: int | None = None) -> dict:
+    """Peak memory (MiB above setup) of `steps` steps of `variant` in a fresh spawned process.
+
+    variants: train (the loop as written), keep_outputs (last step's outputs not deleted),
+    eval_tensor (evaluation with autograd on, losses kept as tensors), eval_item (inference_mode + .item()).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(to_dict(cfg), variant, steps, batch_tokens or cfg.data.batch_tokens, queue))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:  # killed (e.g. by the kernel's OOM killer) before it could report
+        return {"error": f"process exited with code {proc.exitcode}"}
+    return queue.get()
+
+
+def fits(cfg: Config, batch_tokens: int, budget_mb: float) -> bool:
+    """Does one training step at `batch_tokens` (worst-case lengths) fit? CUDA: no OOM; CPU: under budget."""
+    result = peak_memory(cfg, "train", 1, batch_tokens)
+    if "error" in result:
+        return False
+    return result["peak_mb"] <= budget_mb
+
+
+def largest_batch_tokens(cfg: Config, budget_mb: float, start: int, limit: int) -> tuple[int, list]:
+    """Double from `start` until a step no longer fits (or `limit`), then bisect to within 10%."""
+    trials, low, high = [], 0, None
+    size = start
+    while size <= limit:
+        ok = fits(cfg, size, budget_mb)
+        trials.append((size, ok))
+        if not ok:
+            high = size
+            break
+        low, size = size, size * 2
+    if high is None:
+        return low, trials
+    while high - low > max(low // 10, 64):
+        mid = (low + high) // 2
+        ok = fits(cfg, mid, budget_mb)
+        trials.append((mid, ok))
+        low, high = (mid, high) if ok else (low, mid)
+    return low, trials
+
+
+def memory_budget_mb(device: torch.device) -> float:
+    """What a step may use: the GPU's free memory, or 80% of the host's available memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free / 2**20
+    with open("/proc/meminfo") as fh:
+        info = dict(line.split(":", 1) for line in fh)
+    return 0.8 * int(info["MemAvailable"].split()[0]) / 1024

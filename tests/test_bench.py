@@ -1,0 +1,65 @@
+"""Every bench row runs on a tiny workload and reports well-formed figures (no timing assertions)."""
+import json
+
+import pytest
+
+from summarizer.bench import NOT_HERE, markdown, rows, run_bench
+from summarizer.config import load_config
+from summarizer.errors import ConfigError
+
+TINY = ["model.d_model=32", "model.ffn_dim=64", "model.encoder_layers=1", "model.decoder_layers=1",
+        "data.batch_tokens=400", "data.max_source_len=40", "data.max_target_len=16", "bench.repeats=2",
+        "bench.warmup=0", "bench.steps=2", "bench.decode_sentences=4", "eval.max_len=5"]
+
+
+@pytest.fixture
+def cfg(tiny_prepared, tmp_path):
+    return load_config("configs/tiny.yaml", [f"data.dir={tiny_prepared}", f"run.dir={tmp_path / 'bench'}",
+                                             f"run.tensorboard_dir={tmp_path / 'tb'}", *TINY])
+
+
+def test_every_timing_row_measures_on_and_off(cfg):
+    cfg.bench.rows = [n for n in rows(cfg) if not n.startswith("memory") and n != "compile"]
+    cfg.bench.find_batch_tokens = False
+    results = run_bench(cfg)
+    assert [r["practice"] for r in results] == cfg.bench.rows
+    for r in results:
+        assert "error" not in r, r
+        for side in ("on", "off"):
+            assert r[side]["n"] == 2 and 0 < r[side]["min"] <= r[side]["median"] <= r[side]["max"]
+        assert r["ratio"] == pytest.approx(r["on"]["median"] / r["off"]["median"])
+    bucketing = next(r for r in results if r["practice"] == "bucketing")
+    assert bucketing["padding_on"] < bucketing["padding_off"]
+    saved = json.loads((cfg.run_dir / "bench.json").read_text())
+    assert [r["practice"] for r in saved] == cfg.bench.rows
+    assert "| workers |" in (cfg.run_dir / "bench.md").read_text()
+    assert list(cfg.tensorboard_dir.parent.glob("*-bench/events.out.tfevents.*"))
+
+
+def test_memory_rows_show_what_the_guides_warn_about(cfg):
+    cfg.bench.rows = ["memory_eval_no_grad", "memory_del_outputs", "memory_precision"]
+    cfg.bench.find_batch_tokens = False
+    cfg.bench.repeats = 1
+    results = {r["practice"]: r for r in run_bench(cfg)}
+    retained = results["memory_eval_no_grad"]
+    assert retained["on"]["median"] < retained["off"]["median"]  # graphs kept alive by summed loss tensors
+    for r in results.values():
+        assert "error" not in r and r["on"]["median"] >= 0 and r["off"]["median"] > 0
+
+
+def test_batch_search_doubles_then_bisects(cfg):
+    cfg.bench.rows = ["pin_memory"]  # a row that is only reported as not measured on this machine
+    cfg.bench.max_batch_tokens = 1600
+    results = run_bench(cfg)
+    assert results[0] == {"practice": "pin_memory", "skipped": NOT_HERE["pin_memory"]} or "ratio" in results[0]
+    search = results[-1]
+    assert search["practice"] == "max_batch_tokens" and search["batch_tokens"] >= 400
+    assert [size for size, _ in search["trials"]][:3] == [400, 800, 1600]
+    assert search["lr_linear_rule"] == pytest.approx(cfg.train.lr * search["batch_tokens"] / 400)
+    assert "max_batch_tokens" in markdown(results)
+
+
+def test_unknown_row_is_refused(cfg):
+    cfg.bench.rows = ["wrokers"]
+    with pytest.raises(ConfigError, match="unknown bench rows"):
+        run_bench(cfg)
