@@ -32,8 +32,9 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "train":
         from summarizer.train import train
         summary = train(cfg)
-        best = f"{summary['best']:.4f}" if summary["best"] is not None else "n/a"
-        print(f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best valid loss {best}; "
+        best, by = summary["best"], cfg.train.select_by
+        best = "n/a" if best is None else f"ROUGE-1 {-best:.2f}" if by == "rouge" else f"loss {best:.4f}"
+        print(f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best valid {best}; "
               f"checkpoints in {summary['run_dir']}")
         return 0
     if args.command == "overfit":

@@ -291,8 +291,9 @@ def after_step(s: Session, window: Window, out: dict, time_up: bool) -> bool:
         s.monitor.log(step, "train", window.summary(lr, out["grad_norm"]))
         window.reset()
     early_stop = False
-    if step % t.eval_every == 0 or final:
-        early_stop = validate(s, {"lr": lr, "grad_norm": out["grad_norm"].item()})
+    rouge = bool(t.rouge_every) and (step % t.rouge_every == 0 or final)
+    if step % t.eval_every == 0 or final or rouge:
+        early_stop = validate(s, {"lr": lr, "grad_norm": out["grad_norm"].item()}, rouge)
         window.reset()  # evaluation time is not training throughput
     if step % t.ckpt_every == 0 or final or early_stop:
         if s.rt.is_main:
@@ -300,16 +301,23 @@ def after_step(s: Session, window: Window, out: dict, time_up: bool) -> bool:
     return time_up or early_stop
 
 
-def validate(s: Session, extra: dict) -> bool:
-    """Validation loss (+ samples) and best-checkpoint bookkeeping; True when patience runs out."""
+def validate(s: Session, extra: dict, rouge: bool) -> bool:
+    """Validation loss, ROUGE on a fixed valid subset when due, samples, and best-checkpoint
+    bookkeeping by `train.select_by`; True when patience runs out."""
     started = time.perf_counter()
     metrics = evaluate_loss(runtime.decoding_model(s.model), s.valid_loader, s.rt)
     metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
+    if rouge:
+        # Every rank decodes the same subset deterministically, so all agree on the best without talking.
+        metrics.update(valid_rouge(s))
     s.monitor.log(s.progress["step"], "valid", {**metrics, **extra})
     if s.rt.is_main and s.cfg.train.sample_summaries:
         s.monitor.text("samples", sample_summaries(s.model, s.valid_ds, s.tokenizer, s.rt,
                                                    s.cfg.train.sample_summaries), s.progress["step"])
-    score = metrics["loss"]
+    by_rouge = s.cfg.train.select_by == "rouge"
+    if by_rouge and not rouge:
+        return False  # the best is judged only where ROUGE was measured
+    score = -metrics["rouge1"] if by_rouge else metrics["loss"]  # lower is better
     if s.progress["best"] is None or score < s.progress["best"]:
         s.progress.update(best=score, bad_evals=0)
         if s.rt.is_main:
@@ -317,3 +325,27 @@ def validate(s: Session, extra: dict) -> bool:
     else:
         s.progress["bad_evals"] += 1
     return bool(s.cfg.train.patience) and s.progress["bad_evals"] >= s.cfg.train.patience
+
+
+def valid_rouge(s: Session) -> dict:
+    """Greedy ROUGE-1/2/L F on the first `train.rouge_samples` valid pairs (fast, comparable across steps)."""
+    from summarizer.evaluate import rouge_report
+    from summarizer.prepared import read_pairs
+    split = "valid" if "valid" in s.meta["splits"] else "train"
+    pairs = read_pairs(s.cfg.data.dir, split)[:s.cfg.train.rouge_samples]
+    model = runtime.decoding_model(s.model)
+    was_training = model.training
+    model.eval()
+    hyps = []
+    for start in range(0, len(pairs), s.cfg.eval.batch_size):
+        chunk = [s.valid_ds[i][0] for i in range(start, min(start + s.cfg.eval.batch_size, len(pairs)))]
+        src = torch.zeros(len(chunk), max(len(c) for c in chunk), dtype=torch.long)
+        for row, c in enumerate(chunk):
+            src[row, :len(c)] = torch.from_numpy(c.astype("int64"))
+        with s.rt.compute():
+            hyps += greedy(model, move(src, s.rt.device), max_len=s.cfg.eval.max_len,
+                           no_repeat_ngram=s.cfg.eval.no_repeat_ngram)
+    model.train(was_training)
+    report = rouge_report([s.tokenizer.decode(h) for h in hyps],
+                          [p.get("references") or [p["target"]] for p in pairs], samples=0)
+    return {kind: report[kind]["f"] for kind in ("rouge1", "rouge2", "rougeL")}

@@ -176,3 +176,15 @@ def test_overfit_check_memorises_the_fixture(tiny_data, tmp_path, capsys):
                                                       f"run.tensorboard_dir={tmp_path / 'tb'}"])
     assert overfit_check(cfg) == 0, capsys.readouterr().out
     assert "PASSED" in capsys.readouterr().out
+
+
+def test_rouge_during_training_selects_the_best_checkpoint(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    summary = train_mod.train(make_cfg(tiny_data, run, "train.max_steps=20", "train.eval_every=5",
+                                       "train.rouge_every=10", "train.rouge_samples=8", "train.select_by=rouge"))
+    valid = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["split"] == "valid"]
+    with_rouge = [r for r in valid if "rouge1" in r]
+    assert [r["step"] for r in with_rouge] == [10, 20] and [r["step"] for r in valid] == [5, 10, 15, 20]
+    assert summary["best"] == pytest.approx(-max(r["rouge1"] for r in with_rouge), abs=1e-5)  # logs round
+    assert (run / "best.pt").exists()
