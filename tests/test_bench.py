@@ -63,3 +63,12 @@ def test_unknown_row_is_refused(cfg):
     cfg.bench.rows = ["wrokers"]
     with pytest.raises(ConfigError, match="unknown bench rows"):
         run_bench(cfg)
+
+
+@pytest.mark.slow
+def test_compile_row_measures_or_reports_why_not(cfg):
+    cfg.bench.rows = ["compile"]
+    cfg.bench.find_batch_tokens = False
+    cfg.bench.repeats, cfg.bench.steps = 1, 1
+    (row,) = run_bench(cfg)
+    assert ("ratio" in row and row["on"]["median"] > 0) or row["error"]  # a failure to compile is reported, not hidden
