@@ -13,7 +13,7 @@ import torch
 
 from summarizer import bench_memory, runtime
 from summarizer.config import Config
-from summarizer.data import PairDataset, TokenBatchSampler, make_loader, padding_fraction
+from summarizer.data import PairDataset, TokenBatchSampler, make_loader, pad_sources, padding_fraction
 from summarizer.decoding import beam_search
 from summarizer.prepared import read_meta
 from summarizer.train import batches_forever, build, to_device, train_step
@@ -81,10 +81,7 @@ def decode_rate(cfg: Config, use_cache: bool) -> dict:
     model = build(cfg, rt, meta)[0].eval()
     ds = PairDataset.from_dir(cfg.data.dir, "valid" if "valid" in meta["splits"] else "train", cfg.data)
     n = min(cfg.bench.decode_sentences, len(ds))
-    src = torch.zeros(n, int(ds.src_lens[:n].max()), dtype=torch.long)
-    for i in range(n):
-        s = ds[i][0]
-        src[i, :len(s)] = torch.from_numpy(s.astype("int64"))
+    src = pad_sources([ds[i][0] for i in range(n)])
     rates = []
     for repeat in range(cfg.bench.warmup + cfg.bench.repeats):
         started = time.perf_counter()

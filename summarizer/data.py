@@ -76,6 +76,14 @@ def collate(pairs: list[tuple[np.ndarray, np.ndarray]], pad_multiple: int = 1) -
             "tgt_out": torch.from_numpy(tgt_out), "n_src": n_src, "n_tgt": n_tgt}
 
 
+def pad_sources(sequences) -> torch.Tensor:
+    """Id sequences (arrays or lists) -> (B, S) int64 tensor padded with PAD: the input decoding takes."""
+    out = torch.full((len(sequences), max(max((len(x) for x in sequences), default=1), 1)), PAD, dtype=torch.long)
+    for row, ids in enumerate(sequences):
+        out[row, :len(ids)] = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+    return out
+
+
 def token_budget_batches(order: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray,
                          batch_tokens: int, pad_multiple: int = 1) -> list[list[int]]:
     """Greedily cut `order` into batches whose padded size B * (max_src + max_tgt) fits the budget."""

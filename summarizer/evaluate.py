@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from summarizer import checkpoint, runtime
 from summarizer.config import Config, ModelConfig
+from summarizer.data import pad_sources
 from summarizer.decoding import decode_batch
 from summarizer.errors import DataError
 from summarizer.model import Seq2Seq
@@ -49,9 +50,7 @@ def decode_texts(model, rt: Runtime, sources: list[list[int]], cfg: Config, desc
     started = time.perf_counter()
     for start in tqdm(range(0, len(order), e.batch_size), desc=desc, unit="batch", file=sys.stderr):
         idx = order[start:start + e.batch_size]
-        src = torch.zeros(len(idx), max(max(len(sources[i]) for i in idx), 1), dtype=torch.long)
-        for row, i in enumerate(idx):
-            src[row, :len(sources[i])] = torch.tensor(sources[i], dtype=torch.long)
+        src = pad_sources([sources[i] for i in idx])
         with rt.compute():
             out = decode_batch(runtime.decoding_model(model), move(src, rt.device), e.beam_size, max_len=e.max_len,
                                min_len=e.min_len, length_penalty=e.length_penalty, no_repeat_ngram=e.no_repeat_ngram)

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import shutil
 
-import torch
 
 from summarizer import checkpoint, runtime
 from summarizer.config import Config
-from summarizer.data import PairDataset, TokenBatchSampler, make_loader
+from summarizer.data import PairDataset, TokenBatchSampler, make_loader, pad_sources
 from summarizer.decoding import greedy
 from summarizer.model import Seq2Seq
 from summarizer.prepared import read_meta
@@ -40,9 +39,7 @@ def overfit_check(cfg: Config) -> int:
     exact = 0
     for start in range(0, len(pairs), cfg.eval.batch_size):
         chunk = [pairs[i] for i in range(start, min(start + cfg.eval.batch_size, len(pairs)))]
-        src = torch.zeros(len(chunk), max(len(s) for s, _ in chunk), dtype=torch.long)
-        for row, (s, _) in enumerate(chunk):
-            src[row, :len(s)] = torch.from_numpy(s.astype("int64"))
+        src = pad_sources([s for s, _ in chunk])
         with rt.compute():
             hyps = greedy(model, src.to(rt.device), max_len=pairs.max_target_len)
         exact += sum(h == t.tolist() for h, (_, t) in zip(hyps, chunk))

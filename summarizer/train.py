@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from summarizer import checkpoint, runtime
 from summarizer.config import Config, TrainConfig, save_config, to_dict
-from summarizer.data import PairDataset, TokenBatchSampler, make_loader
+from summarizer.data import PairDataset, TokenBatchSampler, make_loader, pad_sources
 from summarizer.decoding import greedy
 from summarizer.errors import UserError
 from summarizer.losses import smoothed_nll
@@ -148,9 +148,7 @@ def sample_summaries(model, dataset: PairDataset, tokenizer: Tokenizer, rt: Runt
     if n <= 0:
         return ""
     pairs = [dataset[i] for i in range(min(n, len(dataset)))]
-    src = torch.zeros(len(pairs), max(len(s) for s, _ in pairs), dtype=torch.long)
-    for row, (s, _) in enumerate(pairs):
-        src[row, :len(s)] = torch.from_numpy(s.astype("int64"))
+    src = pad_sources([s for s, _ in pairs])
     with rt.compute():
         hyps = greedy(runtime.decoding_model(model), move(src, rt.device), max_len=dataset.max_target_len)
     return "\n\n".join(f"source: {tokenizer.decode(s.tolist())}  \nreference: {tokenizer.decode(t.tolist())}  \n"
@@ -338,10 +336,7 @@ def valid_rouge(s: Session) -> dict:
     model.eval()
     hyps = []
     for start in range(0, len(pairs), s.cfg.eval.batch_size):
-        chunk = [s.valid_ds[i][0] for i in range(start, min(start + s.cfg.eval.batch_size, len(pairs)))]
-        src = torch.zeros(len(chunk), max(len(c) for c in chunk), dtype=torch.long)
-        for row, c in enumerate(chunk):
-            src[row, :len(c)] = torch.from_numpy(c.astype("int64"))
+        src = pad_sources([s.valid_ds[i][0] for i in range(start, min(start + s.cfg.eval.batch_size, len(pairs)))])
         with s.rt.compute():
             hyps += greedy(model, move(src, s.rt.device), max_len=s.cfg.eval.max_len,
                            no_repeat_ngram=s.cfg.eval.no_repeat_ngram)
