@@ -30,8 +30,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.command == "train":
+        from summarizer.runtime import teardown
         from summarizer.train import train
-        summary = train(cfg)
+        try:
+            summary = train(cfg)
+        finally:
+            teardown()  # under torchrun: leave the process group cleanly, whatever happened
         best, by = summary["best"], cfg.train.select_by
         best = "n/a" if best is None else f"ROUGE-1 {-best:.2f}" if by == "rouge" else f"loss {best:.4f}"
         print(f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best valid {best}; "

@@ -188,6 +188,7 @@ class Session:
     valid_loader: DataLoader
     monitor: Monitor
     resumed: bool
+    rouge_refs: list | None = None  # valid references for ROUGE during training, read once
 
     def snapshot(self) -> dict:
         return snapshot(self.cfg, self.meta, self.model, self.optimizer, self.scheduler, self.scaler, self.progress)
@@ -329,8 +330,11 @@ def valid_rouge(s: Session) -> dict:
     """Greedy ROUGE-1/2/L F on the first `train.rouge_samples` valid pairs (fast, comparable across steps)."""
     from summarizer.evaluate import rouge_report
     from summarizer.prepared import read_pairs
-    split = "valid" if "valid" in s.meta["splits"] else "train"
-    pairs = read_pairs(s.cfg.data.dir, split)[:s.cfg.train.rouge_samples]
+    if s.rouge_refs is None:
+        split = "valid" if "valid" in s.meta["splits"] else "train"
+        s.rouge_refs = [p.get("references") or [p["target"]]
+                        for p in read_pairs(s.cfg.data.dir, split)[:s.cfg.train.rouge_samples]]
+    pairs = s.rouge_refs
     model = runtime.decoding_model(s.model)
     was_training = model.training
     model.eval()
@@ -341,6 +345,5 @@ def valid_rouge(s: Session) -> dict:
             hyps += greedy(model, move(src, s.rt.device), max_len=s.cfg.eval.max_len,
                            no_repeat_ngram=s.cfg.eval.no_repeat_ngram)
     model.train(was_training)
-    report = rouge_report([s.tokenizer.decode(h) for h in hyps],
-                          [p.get("references") or [p["target"]] for p in pairs], samples=0)
+    report = rouge_report([s.tokenizer.decode(h) for h in hyps], pairs, samples=0)
     return {kind: report[kind]["f"] for kind in ("rouge1", "rouge2", "rougeL")}
