@@ -127,9 +127,13 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
             lambda: t(), lambda: t(item_every_step=True))),
         "fused_loss": ("fused vocabulary loss vs autograd logsumexp/gather/mean", "tokens/s", "higher", on_off(
             lambda: t(("train", "fused_loss", True)), lambda: t(("train", "fused_loss", False)))),
-        "attention_kernel": ("SDPA math kernel vs flash" if not cuda else "SDPA default vs math", "tokens/s",
-                             "higher", on_off(lambda: t(("train", "sdpa_backend", "auto")),
-                                              lambda: t(("train", "sdpa_backend", "math" if cuda else "flash")))),
+        "attention_kernel": ("explicit attention vs SDPA math kernel" if not cuda else "SDPA default vs math",
+                             "tokens/s", "higher", on_off(lambda: t(("train", "sdpa_backend", "auto")),
+                                                          lambda: t(("train", "sdpa_backend", "math")))),
+        "fast_dropout": ("dropout masks from SFC64 bits vs torch's bernoulli_", "tokens/s", "higher", on_off(
+            lambda: t(("model", "fast_dropout", True)), lambda: t(("model", "fast_dropout", False)))),
+        "fused_optimizer": ("AdamW(fused=True) vs torch's default implementation", "tokens/s", "higher", on_off(
+            lambda: t(("train", "fused_optimizer", True)), lambda: t(("train", "fused_optimizer", False)))),
         "kv_cache": ("beam-4 decoding with KV cache vs recomputing the prefix", "sentences/s", "higher", on_off(
             lambda: decode_rate(cfg, True), lambda: decode_rate(cfg, False))),
         "compile": ("torch.compile vs eager", "tokens/s", "higher", on_off(
@@ -145,7 +149,8 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
                              on_off(lambda: t(), lambda: t(
                                  ("data", "num_workers", 0), ("train", "precision", "fp32"),
                                  ("train", "set_to_none", False), ("train", "fused_loss", False),
-                                 ("train", "sdpa_backend", "default"), fixed_batches=True, item_every_step=True))),
+                                 ("train", "sdpa_backend", "default"), ("model", "fast_dropout", False),
+                                 ("train", "fused_optimizer", False), fixed_batches=True, item_every_step=True))),
     }
     if cuda:
         table["precision_fp16"] = ("fp16 autocast + GradScaler vs fp32", "tokens/s", "higher", on_off(

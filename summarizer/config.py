@@ -61,6 +61,7 @@ class ModelConfig:
     ffn_dim: int = 1024
     dropout: float = 0.1
     attention_dropout: float = 0.0
+    fast_dropout: bool = True  # CPU masks from numpy's SFC64 instead of bernoulli_ (summarizer/dropout.py)
     max_positions: int = 512
     copy: bool = True  # pointer-generator copy attention over source tokens
 
@@ -70,8 +71,9 @@ class TrainConfig:
     seed: int = 1234
     deterministic: bool = False  # torch.use_deterministic_algorithms
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    flush_denormal: bool = True  # CPU: treat denormal floats as zero (FTZ/DAZ), avoiding x86's slow path
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
-    sdpa_backend: str = "auto"  # auto (math on CPU, torch's choice on CUDA) | default | math | flash | efficient
+    sdpa_backend: str = "auto"  # auto (explicit on CPU, torch's choice on CUDA) | default | math | flash | efficient | explicit
     max_steps: int = 10_000
     max_minutes: float = 0.0  # 0 = no time limit
     accum_steps: int = 1
@@ -85,6 +87,7 @@ class TrainConfig:
     clip_norm: float = 1.0  # 0 = no clipping (the norm is still logged)
     max_bad_steps: int = 5  # abort after this many non-finite steps in a row
     set_to_none: bool = True
+    fused_optimizer: bool = True  # AdamW(fused=True): one kernel for all parameters (CPU and CUDA)
     fused_loss: bool = True  # one-pass vocabulary loss with an in-place backward (losses.VocabStats)
     cudnn_benchmark: bool = True
     compile: bool = False
@@ -162,7 +165,7 @@ class Config:
 
 _CHOICES = {
     ("train", "precision"): ("auto", "fp32", "bf16", "fp16"),
-    ("train", "sdpa_backend"): ("auto", "default", "math", "flash", "efficient"),
+    ("train", "sdpa_backend"): ("auto", "default", "math", "flash", "efficient", "explicit"),
     ("train", "schedule"): ("inverse_sqrt", "cosine", "linear", "constant"),
     ("train", "select_by"): ("loss", "rouge"),
     ("data", "spm_model_type"): ("unigram", "bpe"),

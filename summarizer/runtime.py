@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from summarizer.config import Config
 from summarizer.errors import ConfigError
+from summarizer.model import explicit_attention
 
 
 @dataclass
@@ -46,10 +47,12 @@ class Runtime:
                 stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype))
         backend = self.sdpa_backend
         if backend == "auto":
-            # At sentence lengths the CPU flash kernel loses to plain matmul + softmax (bench row
-            # "attention kernel"); on CUDA torch's own choice is the fused kernels.
-            backend = "math" if "cpu" in (self.device.type, self.decoder_device.type) else "default"
-        if backend != "default":
+            # At sentence lengths on CPU, attention written out as two batched matmuls beats every
+            # SDPA kernel (bench row "attention_kernel"); on CUDA torch's own choice is the fused kernels.
+            backend = "explicit" if "cpu" in (self.device.type, self.decoder_device.type) else "default"
+        if backend == "explicit":
+            stack.enter_context(explicit_attention())
+        elif backend != "default":
             from torch.nn.attention import SDPBackend, sdpa_kernel
             stack.enter_context(sdpa_kernel({"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
                                              "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]))
@@ -131,6 +134,12 @@ def init_worker(worker_id: int) -> None:
 
 def setup(cfg: Config) -> Runtime:
     """Initialise the process group when launched by torchrun, pick devices and precision."""
+    if cfg.train.flush_denormal:
+        # Denormal floats (below 1.2e-38) take a slow microcode path on x86: as the model grows
+        # confident, exp() in the vocabulary softmax produces them by the million and a CPU step
+        # slows by up to a third. FTZ/DAZ treats them as zero. The flag is per thread and OpenMP's
+        # pool copies it when created, so this must run before the first parallel op: first here.
+        torch.set_flush_denormal(True)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     placement = cfg.placement

@@ -23,3 +23,11 @@ def tiny_prepared(tmp_path_factory) -> Path:
     prepare(data_config(data_dir, f"data.source={ASSETS / 'tiny'}", "data.vocab_size=150",
                         "data.mask_digits=true"))
     return data_dir
+
+
+@pytest.fixture(autouse=True)
+def _denormals_back_to_default():
+    """runtime.setup turns flush-to-zero on for the process; each test starts from torch's default."""
+    import torch
+    yield
+    torch.set_flush_denormal(False)

@@ -92,3 +92,36 @@ def test_fused_vocab_stats_gradient_matches_autograd(dtype):
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     assert torch.allclose(values[0], values[1], atol=1e-6)
     assert torch.allclose(grads[0], grads[1], atol=tol)
+
+
+def test_vocab_stats_chunks_match_one_pass(monkeypatch):
+    import summarizer.losses as losses
+    torch.manual_seed(0)
+    base, target = torch.randn(37, 13), torch.randint(0, 13, (37,))
+    results = []
+    for chunk in (1 << 20, 5 * 13):  # one chunk, then 5 rows per chunk (8 chunks, the last partial)
+        monkeypatch.setattr(losses, "CHUNK_ELEMENTS", chunk)
+        x = base.clone().requires_grad_()
+        outs = losses.VocabStats.apply(x, target)
+        sum(o.sum() * (i + 1) for i, o in enumerate(outs)).backward()
+        results.append((torch.stack(outs), x.grad))
+        assert torch.equal(x.detach(), base)  # float32 logits are not overwritten by the in-place backward
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-6)
+
+
+def test_fused_adamw_is_used_and_matches_the_loop():
+    from summarizer.config import ModelConfig
+    from summarizer.model import Seq2Seq
+    params = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32), 20)
+        opt = build_optimizer(model, TrainConfig(fused_optimizer=fused))
+        assert opt.defaults["fused"] is (True if fused else None)
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()
+        params[fused] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.allclose(params[True], params[False], atol=1e-6)

@@ -57,3 +57,20 @@ def test_ddp_with_model_parallel_gives_each_rank_its_own_gpu_pair(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ConfigError, match="nproc_per_node=1"):
         runtime._per_rank_pair(cuda(0), cuda(1), local_rank=1)
+
+
+def test_setup_flushes_denormals_when_asked():
+    tiny = torch.tensor([1e-39])  # a float32 denormal
+    runtime.setup(load_config(None, ["train.device=cpu", "train.flush_denormal=false"]))
+    assert (tiny * 1.0).item() != 0.0
+    runtime.setup(load_config(None, ["train.device=cpu", "train.flush_denormal=true"]))
+    assert (tiny * 1.0).item() == 0.0
+
+
+@pytest.mark.parametrize("backend,explicit", [("auto", True), ("explicit", True), ("math", False), ("default", False)])
+def test_cpu_attention_kernel_choice(backend, explicit):
+    from summarizer.model import _EXPLICIT_ATTENTION
+    rt = runtime.setup(load_config(None, ["train.device=cpu", f"train.sdpa_backend={backend}"]))
+    with rt.compute():
+        assert _EXPLICIT_ATTENTION.get() is explicit
+    assert _EXPLICIT_ATTENTION.get() is False
