@@ -15,8 +15,8 @@ class VocabStats(torch.autograd.Function):
 
     Autograd through logsumexp + gather + mean keeps several (N, V) float32 buffers and walks them
     about eight times. Here the forward saves only the logits as they came (bf16 under autocast)
-    and the backward rebuilds softmax * g_lse + onehot * g_target + g_mean / V in one float32
-    buffer, in place. On CPU both directions go through the rows in cache-sized chunks: each
+    and the backward rebuilds softmax * g_lse + onehot * g_target + g_mean / V in place, in a
+    float32 buffer per chunk of rows. On CPU both directions go through the rows in cache-sized chunks: each
     chunk's float32 copy is read back while still in cache instead of from memory, and the
     (N, V) float32 tensor, tens of MB fresh from the allocator each step, never exists. On CUDA,
     with bandwidth to spare, one chunk is the whole tensor. Values are float32 whatever the
