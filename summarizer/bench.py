@@ -15,7 +15,7 @@ from summarizer import bench_memory, runtime
 from summarizer.config import Config
 from summarizer.data import PairDataset, TokenBatchSampler, make_loader, pad_sources, padding_fraction
 from summarizer.decoding import beam_search
-from summarizer.prepared import read_meta
+from summarizer.prepared import read_meta, valid_split
 from summarizer.train import batches_forever, build, to_device, train_step
 
 
@@ -79,7 +79,7 @@ def decode_rate(cfg: Config, use_cache: bool) -> dict:
     torch.manual_seed(cfg.train.seed)
     meta = read_meta(cfg.data.dir)
     model = build(cfg, rt, meta)[0].eval()
-    ds = PairDataset.from_dir(cfg.data.dir, "valid" if "valid" in meta["splits"] else "train", cfg.data)
+    ds = PairDataset.from_dir(cfg.data.dir, valid_split(meta), cfg.data)
     n = min(cfg.bench.decode_sentences, len(ds))
     src = pad_sources([ds[i][0] for i in range(n)])
     rates = []

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import shutil
 
-
 from summarizer import checkpoint, runtime
 from summarizer.config import Config
 from summarizer.data import PairDataset, TokenBatchSampler, make_loader, pad_sources

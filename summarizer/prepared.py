@@ -31,6 +31,11 @@ def split_files(split: str) -> dict[str, str]:
             "pairs": f"{split}.jsonl"}
 
 
+def valid_split(meta: dict) -> str:
+    """The split validation reads: `valid` when prep made one, else `train` (tiny corpora without one)."""
+    return "valid" if "valid" in meta["splits"] else "train"
+
+
 def read_meta(data_dir: str | Path) -> dict:
     data_dir = Path(data_dir)
     path = data_dir / META_FILE

@@ -21,7 +21,7 @@ from summarizer.losses import smoothed_nll
 from summarizer.model import Seq2Seq, count_parameters
 from summarizer.monitor import Monitor, Profiler, Window, flatten, memory_report, write_manifest
 from summarizer.optim import build_optimizer, build_scheduler
-from summarizer.prepared import open_tokenizer, read_meta
+from summarizer.prepared import open_tokenizer, read_meta, valid_split
 from summarizer.runtime import Runtime, move
 from summarizer.tokenizer import Tokenizer
 
@@ -216,8 +216,7 @@ def open_session(cfg: Config) -> Session:
                                 pad_multiple=cfg.data.pad_multiple)
     stream = batches_forever(make_loader(train_ds, sampler, cfg.data, rt.device, cfg.train.seed), sampler,
                              progress["epoch"], progress["position"])
-    valid_split = "valid" if "valid" in meta["splits"] else "train"
-    valid_ds = PairDataset.from_dir(cfg.data.dir, valid_split, cfg.data)
+    valid_ds = PairDataset.from_dir(cfg.data.dir, valid_split(meta), cfg.data)
     valid_loader = make_loader(valid_ds, TokenBatchSampler(
         valid_ds.src_lens, valid_ds.tgt_lens, cfg.data.batch_tokens, shuffle=False, rank=rt.rank,
         world_size=rt.world_size, even=False, pad_multiple=cfg.data.pad_multiple), cfg.data, rt.device, cfg.train.seed)
@@ -226,7 +225,7 @@ def open_session(cfg: Config) -> Session:
         write_manifest(cfg, cfg.run_dir, [rt.device, rt.decoder_device], rt.precision, meta, rt.world_size)
     monitor = Monitor(cfg, rt.is_main, progress["step"], cfg.train.max_steps)
     monitor.write(f"model {count_parameters(model) / 1e6:.1f}M parameters, precision {rt.precision}, "
-                  f"{len(train_ds)} train pairs, {len(valid_ds)} {valid_split} pairs, "
+                  f"{len(train_ds)} train pairs, {len(valid_ds)} {valid_split(meta)} pairs, "
                   f"{'resuming at step ' + str(progress['step']) if latest else 'starting'}")
     return Session(cfg, rt, meta, tokenizer, model, optimizer, scheduler, scaler, progress, stream,
                    valid_ds, valid_loader, monitor, latest is not None)
@@ -331,9 +330,8 @@ def valid_rouge(s: Session) -> dict:
     from summarizer.evaluate import rouge_report
     from summarizer.prepared import read_pairs
     if s.rouge_refs is None:
-        split = "valid" if "valid" in s.meta["splits"] else "train"
         s.rouge_refs = [p.get("references") or [p["target"]]
-                        for p in read_pairs(s.cfg.data.dir, split)[:s.cfg.train.rouge_samples]]
+                        for p in read_pairs(s.cfg.data.dir, valid_split(s.meta))[:s.cfg.train.rouge_samples]]
     pairs = s.rouge_refs
     model = runtime.decoding_model(s.model)
     was_training = model.training
