@@ -13,6 +13,8 @@ every mask: seeded runs and exact resume are unchanged. On CUDA, for other dtype
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -22,15 +24,19 @@ _INT_VIEWS = {torch.bfloat16: (torch.int16, np.int16), torch.float16: (torch.int
               torch.float32: (torch.int32, np.int32)}
 
 
+@functools.lru_cache(maxsize=None)
+def _keep_pattern(p: float, dtype: torch.dtype) -> int:
+    """The bits of 1 / (1 - p) in `dtype`, as the integer of the same width (computed once per p and dtype)."""
+    return int(torch.tensor(1.0 / (1.0 - p), dtype=dtype).view(_INT_VIEWS[dtype][0]))
+
+
 def dropout_multiplier(shape: torch.Size, p: float, dtype: torch.dtype) -> Tensor:
     """(shape) tensor of `dtype` holding 0 with probability p (to 2^-17) and 1 / (1 - p) otherwise."""
-    torch_int, np_int = _INT_VIEWS[dtype]
     n = shape.numel()
     seed = int(torch.randint(2**62, ()))  # the only draw from torch's generator
     bits = np.random.SFC64(seed).random_raw((n + 3) // 4).view(np.int16)[:n]  # 4 x 16 bits per draw
-    keep_pattern = int(torch.tensor(1.0 / (1.0 - p), dtype=dtype).view(torch_int))
-    multiplier = (bits >= round(p * 65536) - 32768).astype(np_int)
-    multiplier *= keep_pattern  # 1 -> the bits of 1 / (1 - p), 0 -> the bits of 0.0
+    multiplier = (bits >= round(p * 65536) - 32768).astype(_INT_VIEWS[dtype][1])
+    multiplier *= _keep_pattern(p, dtype)  # 1 -> the bits of 1 / (1 - p), 0 -> the bits of 0.0
     return torch.from_numpy(multiplier).view(dtype).view(shape)
 
 

@@ -134,12 +134,11 @@ def init_worker(worker_id: int) -> None:
 
 def setup(cfg: Config) -> Runtime:
     """Initialise the process group when launched by torchrun, pick devices and precision."""
-    if cfg.train.flush_denormal:
-        # Denormal floats (below 1.2e-38) take a slow microcode path on x86: as the model grows
-        # confident, exp() in the vocabulary softmax produces them by the million and a CPU step
-        # slows by up to a third. FTZ/DAZ treats them as zero. The flag is per thread and OpenMP's
-        # pool copies it when created, so this must run before the first parallel op: first here.
-        torch.set_flush_denormal(True)
+    # Denormal floats (below 1.2e-38) take a slow microcode path on x86: as the model grows
+    # confident, exp() in the vocabulary softmax produces them by the million and a CPU step
+    # slows by up to a third. FTZ/DAZ treats them as zero. The flag is per thread and OpenMP's
+    # pool copies it when created, so this must run before the first parallel op: first here.
+    torch.set_flush_denormal(cfg.train.flush_denormal)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     placement = cfg.placement
