@@ -134,6 +134,9 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
             lambda: t(("model", "fast_dropout", True)), lambda: t(("model", "fast_dropout", False)))),
         "fused_optimizer": ("AdamW(fused=True) vs torch's default implementation", "tokens/s", "higher", on_off(
             lambda: t(("train", "fused_optimizer", True)), lambda: t(("train", "fused_optimizer", False)))),
+        "lean_layers": ("ReLU and no biases vs GELU with biases (a model choice)", "tokens/s", "higher", on_off(
+            lambda: t(("model", "activation", "relu"), ("model", "bias", False)),
+            lambda: t(("model", "activation", "gelu"), ("model", "bias", True)))),
         "kv_cache": ("beam-4 decoding with KV cache vs recomputing the prefix", "sentences/s", "higher", on_off(
             lambda: decode_rate(cfg, True), lambda: decode_rate(cfg, False))),
         "compile": ("torch.compile vs eager", "tokens/s", "higher", on_off(

@@ -62,6 +62,8 @@ class ModelConfig:
     dropout: float = 0.1
     attention_dropout: float = 0.0
     fast_dropout: bool = True  # CPU masks from numpy's SFC64 instead of bernoulli_ (summarizer/dropout.py)
+    activation: str = "gelu"  # feed-forward non-linearity: gelu | relu
+    bias: bool = True  # additive biases in linear and LayerNorm layers (the copy gate keeps its own)
     max_positions: int = 512
     copy: bool = True  # pointer-generator copy attention over source tokens
 
@@ -164,6 +166,7 @@ class Config:
 
 
 _CHOICES = {
+    ("model", "activation"): ("gelu", "relu"),
     ("train", "precision"): ("auto", "fp32", "bf16", "fp16"),
     ("train", "sdpa_backend"): ("auto", "default", "math", "flash", "efficient", "explicit"),
     ("train", "schedule"): ("inverse_sqrt", "cosine", "linear", "constant"),

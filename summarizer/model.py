@@ -80,12 +80,12 @@ def attention_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_
 class Attention(nn.Module):
     """Multi-head attention through F.scaled_dot_product_attention, or its explicit form (see above)."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float):
+    def __init__(self, d_model: int, n_heads: int, dropout: float, bias: bool = True):
         super().__init__()
         self.n_heads, self.dropout = n_heads, dropout
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.kv_proj = nn.Linear(d_model, 2 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.kv_proj = nn.Linear(d_model, 2 * d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
 
     def split_heads(self, x: Tensor) -> Tensor:
         b, n, d = x.shape  # (B, N, D) -> (B, H, N, D/H)
@@ -110,16 +110,22 @@ class Attention(nn.Module):
 class FeedForward(nn.Sequential):
     # No dropout inside: Vaswani et al. drop only sub-layer outputs and embeddings, and on CPU the
     # (B, N, ffn_dim) mask would be the costliest random draw of the step (measured by `make bench`).
-    def __init__(self, d_model: int, ffn_dim: int):
-        super().__init__(nn.Linear(d_model, ffn_dim), nn.GELU(), nn.Linear(ffn_dim, d_model))
+    def __init__(self, cfg: ModelConfig):
+        act = nn.ReLU(inplace=True) if cfg.activation == "relu" else nn.GELU()  # in place: one (B, N, ffn) buffer less
+        super().__init__(nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias), act,
+                         nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias))
+
+
+def layer_norm(cfg: ModelConfig) -> nn.LayerNorm:
+    return nn.LayerNorm(cfg.d_model, bias=cfg.bias)
 
 
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
-        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim)
+        self.norm1, self.norm2 = layer_norm(cfg), layer_norm(cfg)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cfg.bias)
+        self.ffn = FeedForward(cfg)
         self.drop = Dropout(cfg.dropout, cfg.fast_dropout)
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
@@ -131,10 +137,10 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
-        self.self_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
-        self.cross_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
-        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim)
+        self.norm1, self.norm2, self.norm3 = (layer_norm(cfg) for _ in range(3))
+        self.self_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cfg.bias)
+        self.cross_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cfg.bias)
+        self.ffn = FeedForward(cfg)
         self.drop = Dropout(cfg.dropout, cfg.fast_dropout)
 
     def forward(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor,
@@ -169,12 +175,12 @@ class Seq2Seq(nn.Module):
         self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model), persistent=False)
         self.embed_drop = Dropout(cfg.dropout, cfg.fast_dropout)
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
-        self.encoder_norm = nn.LayerNorm(cfg.d_model)
+        self.encoder_norm = layer_norm(cfg)
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
-        self.decoder_norm = nn.LayerNorm(cfg.d_model)
+        self.decoder_norm = layer_norm(cfg)
         if cfg.copy:
-            self.copy_query = nn.Linear(cfg.d_model, cfg.d_model)
-            self.copy_key = nn.Linear(cfg.d_model, cfg.d_model)
+            self.copy_query = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+            self.copy_key = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
             self.copy_gate = nn.Linear(2 * cfg.d_model, 1)
         self.reset_parameters()
 

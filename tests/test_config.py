@@ -25,6 +25,7 @@ def test_defaults_then_yaml_then_overrides(tmp_path):
     ("train.max_steps=1.5", "train.max_steps must be int"),
     ("train.deterministic=3", "train.deterministic must be bool"),
     ("train.precision=bf61", "Did you mean 'bf16'"),
+    ("model.activation=rleu", "Did you mean 'relu'"),
     ("model.n_heads=3", "divisible"),
     ("model=3", "is a section"),
     ("train.select_by=rouge", "rouge_every"),

@@ -7,9 +7,13 @@ from summarizer.config import ModelConfig
 from summarizer.model import Seq2Seq, reorder_cache
 
 
-def tiny_model(copy=True, vocab=50):
+LEAN = {"activation": "relu", "bias": False}  # configs/base.yaml's choice; the defaults are GELU with biases
+
+
+def tiny_model(copy=True, vocab=50, **overrides):
     torch.manual_seed(0)
-    cfg = ModelConfig(d_model=32, n_heads=4, encoder_layers=2, decoder_layers=2, ffn_dim=64, dropout=0.0, copy=copy)
+    cfg = ModelConfig(d_model=32, n_heads=4, encoder_layers=2, decoder_layers=2, ffn_dim=64, dropout=0.0, copy=copy,
+                      **overrides)
     return Seq2Seq(cfg, vocab).eval()
 
 
@@ -31,8 +35,9 @@ def test_shapes_tally_and_outputs_are_distributions(copy):
 
 
 @pytest.mark.parametrize("copy", [False, True])
-def test_padding_does_not_change_real_positions(copy):
-    model = tiny_model(copy)
+@pytest.mark.parametrize("variant", [{}, LEAN])
+def test_padding_does_not_change_real_positions(copy, variant):
+    model = tiny_model(copy, **variant)
     src, tgt = torch.randint(4, 50, (2, 6)), torch.randint(4, 50, (2, 4))
     padded_src = torch.cat([src, torch.zeros(2, 5, dtype=torch.long)], dim=1)
     padded_tgt = torch.cat([tgt, torch.zeros(2, 3, dtype=torch.long)], dim=1)
@@ -53,8 +58,9 @@ def test_decoder_is_causal():
 
 
 @pytest.mark.parametrize("copy", [False, True])
-def test_kv_cached_decoding_equals_full_recomputation(copy):
-    model = tiny_model(copy)
+@pytest.mark.parametrize("variant", [{}, LEAN])
+def test_kv_cached_decoding_equals_full_recomputation(copy, variant):
+    model = tiny_model(copy, **variant)
     src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 6))
     memory, cache = model.encode(src), {}
     full = model.decode(tgt, memory, src)
@@ -73,13 +79,22 @@ def test_copy_puts_mass_on_source_tokens():
     assert torch.allclose(probs[0, :, [7, 9, 11]].sum(-1), torch.ones(2), atol=1e-4)
 
 
-def test_gradients_reach_every_parameter():
-    model = tiny_model().train()
+@pytest.mark.parametrize("variant", [{}, LEAN])
+def test_gradients_reach_every_parameter(variant):
+    model = tiny_model(**variant).train()
     src, tgt = torch.randint(4, 50, (2, 5)), torch.randint(4, 50, (2, 4))
     out = model(src, tgt)
     (out.logits.float().mean() + out.copy_attn.mean() + out.gate.mean()).backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not missing
+
+
+def test_lean_variant_drops_every_bias_but_the_gate_and_uses_relu():
+    names = {n for n, _ in tiny_model(**LEAN).named_parameters()}
+    assert {n for n in names if n.endswith("bias")} == {"copy_gate.bias"}
+    assert {n for n, _ in tiny_model().named_parameters()} > names  # the default keeps them
+    ffn = tiny_model(**LEAN).encoder_layers[0].ffn
+    assert isinstance(ffn[1], torch.nn.ReLU) and isinstance(tiny_model().encoder_layers[0].ffn[1], torch.nn.GELU)
 
 
 def test_model_is_pure_math():
