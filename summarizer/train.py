@@ -288,14 +288,16 @@ def after_step(s: Session, window: Window, out: dict, time_up: bool) -> bool:
     if step % t.log_every == 0 or final:
         s.monitor.log(step, "train", window.summary(lr, out["grad_norm"]))
         window.reset()
-    early_stop = False
+    early_stop, paused = False, False
     rouge = bool(t.rouge_every) and (step % t.rouge_every == 0 or final)
     if step % t.eval_every == 0 or final or rouge:
-        early_stop = validate(s, {"lr": lr, "grad_norm": out["grad_norm"].item()}, rouge)
-        window.reset()  # evaluation time is not training throughput
+        early_stop, paused = validate(s, {"lr": lr, "grad_norm": out["grad_norm"].item()}, rouge), True
     if step % t.ckpt_every == 0 or final or early_stop:
         if s.rt.is_main:
             checkpoint.save_step(s.snapshot(), s.cfg.run_dir, t.keep_last)
+        paused = True
+    if paused:
+        window.reset()  # evaluation and checkpoint writing are not training throughput
     return time_up or early_stop
 
 

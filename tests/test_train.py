@@ -93,6 +93,17 @@ def test_repeated_non_finite_steps_abort_with_advice(tiny_data, tmp_path, monkey
         train_mod.train(make_cfg(tiny_data, tmp_path / "run", "train.max_steps=20", "train.max_bad_steps=3"))
 
 
+def test_checkpoint_and_validation_time_stay_out_of_the_throughput_window(tiny_data, tmp_path, monkeypatch):
+    save_step = train_mod.checkpoint.save_step
+    monkeypatch.setattr(train_mod.checkpoint, "save_step", lambda *a: (time.sleep(2.0), save_step(*a))[1])
+    train_mod.train(make_cfg(tiny_data, tmp_path / "run", "train.max_steps=30", "train.ckpt_every=10",
+                             "train.eval_every=10", "train.rouge_every=0", "train.select_by=loss"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    windows = {r["step"]: r["step_s"] for r in rows if r["split"] == "train"}
+    assert set(windows) == {5, 10, 15, 20, 25, 30}
+    assert windows[15] < 0.2 and windows[25] < 0.2  # 2 s of checkpoint writing over 5 steps would be 0.4 s each
+
+
 def test_same_seed_same_losses_with_workers(tiny_data, tmp_path):
     extra = ["train.max_steps=15", "data.num_workers=2"]
     train_mod.train(make_cfg(tiny_data, tmp_path / "a", *extra))
