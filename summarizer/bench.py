@@ -41,36 +41,54 @@ def stats(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def training_rate(cfg: Config, fixed_batches: bool = False, item_every_step: bool = False) -> dict:
-    """tokens/s of `bench.steps` optimizer steps, data loading included; `bench.repeats` after warm-up."""
-    rt = runtime.setup(cfg)
-    torch.manual_seed(cfg.train.seed)
-    meta = read_meta(cfg.data.dir)
-    model, optimizer, _, scaler = build(cfg, rt, meta)
-    if cfg.train.compile:
-        model = torch.compile(model)
-    ds = PairDataset.from_dir(cfg.data.dir, "train", cfg.data)
-    bucketed = TokenBatchSampler(ds.src_lens, ds.tgt_lens, cfg.data.batch_tokens, cfg.data.bucket_size,
-                                 seed=cfg.train.seed, pad_multiple=cfg.data.pad_multiple)
-    sampler = FixedSizeSampler(len(ds), max(1, round(len(ds) / len(bucketed.plan(0)))), cfg.train.seed) \
-        if fixed_batches else bucketed
-    stream = batches_forever(make_loader(ds, sampler, cfg.data, rt.device, cfg.train.seed), sampler, 0, 0)
-    rates = []
-    for repeat in range(cfg.bench.warmup + cfg.bench.repeats):
-        started, tokens = time.perf_counter(), 0
-        for _ in range(cfg.bench.steps):
-            micro = [to_device(next(stream)[0], rt) for _ in range(cfg.train.accum_steps)]
-            out = train_step(model, optimizer, scaler, micro, rt, cfg.train)
+class TrainingProbe:
+    """One variant's training loop, data loading included, timed `bench.steps` optimizer steps at a time."""
+
+    def __init__(self, cfg: Config, fixed_batches: bool = False, item_every_step: bool = False):
+        self.cfg, self.item_every_step = cfg, item_every_step
+        self.rt = runtime.setup(cfg)
+        torch.manual_seed(cfg.train.seed)
+        model, self.optimizer, _, self.scaler = build(cfg, self.rt, read_meta(cfg.data.dir))
+        self.model = torch.compile(model) if cfg.train.compile else model
+        ds = PairDataset.from_dir(cfg.data.dir, "train", cfg.data)
+        bucketed = TokenBatchSampler(ds.src_lens, ds.tgt_lens, cfg.data.batch_tokens, cfg.data.bucket_size,
+                                     seed=cfg.train.seed, pad_multiple=cfg.data.pad_multiple)
+        sampler = FixedSizeSampler(len(ds), max(1, round(len(ds) / len(bucketed.plan(0)))), cfg.train.seed) \
+            if fixed_batches else bucketed
+        self.padding = padding_fraction(sampler.plan(0), ds.src_lens, ds.tgt_lens)
+        self.stream = batches_forever(make_loader(ds, sampler, cfg.data, self.rt.device, cfg.train.seed),
+                                      sampler, 0, 0)
+
+    def repeat(self) -> float:
+        """tokens/s over the next `bench.steps` steps."""
+        runtime.setup(self.cfg)  # re-apply this variant's process-wide switches (e.g. cudnn.benchmark)
+        rt, started, tokens = self.rt, time.perf_counter(), 0
+        for _ in range(self.cfg.bench.steps):
+            micro = [to_device(next(self.stream)[0], rt) for _ in range(self.cfg.train.accum_steps)]
+            out = train_step(self.model, self.optimizer, self.scaler, micro, rt, self.cfg.train)
             tokens += sum(b["n_src"] + b["n_tgt"] for b in micro)
-            if item_every_step:  # what logging every step costs: host syncs for each value
+            if self.item_every_step:  # what logging every step costs: host syncs for each value
                 out["nll_sum"].item(), out["grad_norm"].item()
         if rt.decoder_device.type == "cuda":
             torch.cuda.synchronize(rt.decoder_device)
-        if repeat >= cfg.bench.warmup:
-            rates.append(tokens / (time.perf_counter() - started))
-    result = stats(rates)
-    result["padding"] = padding_fraction(sampler.plan(0), ds.src_lens, ds.tgt_lens)
-    return result
+        return tokens / (time.perf_counter() - started)
+
+
+def training_rates(on: tuple, off: tuple) -> dict:
+    """tokens/s of two variants, each (config, probe options), their repeats taken in turn.
+
+    On a shared machine throughput drifts by tens of percent within minutes; measuring all of one
+    variant and then all of the other would book that drift as an effect. Alternating repeats
+    (on, off, off, on, ...) exposes both variants to the same drift.
+    """
+    probes = {"on": TrainingProbe(on[0], **on[1]), "off": TrainingProbe(off[0], **off[1])}
+    cfg, rates = on[0], {"on": [], "off": []}
+    for repeat in range(cfg.bench.warmup + cfg.bench.repeats):
+        for key in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
+            rate = probes[key].repeat()
+            if repeat >= cfg.bench.warmup:
+                rates[key].append(rate)
+    return {key: {**stats(rates[key]), "padding": probe.padding} for key, probe in probes.items()}
 
 
 def decode_rate(cfg: Config, use_cache: bool) -> dict:
@@ -109,38 +127,39 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
     """name -> (what is compared, unit, higher_is_better, measure() -> {"on": stats, "off": stats})."""
     cuda = runtime.resolve_device(cfg.train.device).type == "cuda"
     best = runtime.resolve_precision("auto", runtime.resolve_device(cfg.train.device))
-    t = lambda *o, **kw: training_rate(variant(cfg, *o), **kw)  # noqa: E731
+    t = lambda *o, **kw: (variant(cfg, *o), kw)  # noqa: E731  (a training variant: config, probe options)
+    pair = lambda on, off: (lambda: training_rates(on, off))  # noqa: E731
     on_off = lambda on, off: (lambda: {"on": on(), "off": off()})  # noqa: E731
     quarter = max(cfg.data.batch_tokens // 4, cfg.data.max_source_len + cfg.data.max_target_len)
     table = {
-        "workers": (f"num_workers {max(cfg.data.num_workers, 2)} vs 0", "tokens/s", "higher", on_off(
-            lambda: t(("data", "num_workers", max(cfg.data.num_workers, 2))), lambda: t(("data", "num_workers", 0)))),
-        "precision_bf16": ("bf16 autocast vs fp32", "tokens/s", "higher", on_off(
-            lambda: t(("train", "precision", "bf16")), lambda: t(("train", "precision", "fp32")))),
-        "set_to_none": ("zero_grad(set_to_none=True) vs writing zeros", "tokens/s", "higher", on_off(
-            lambda: t(("train", "set_to_none", True)), lambda: t(("train", "set_to_none", False)))),
-        "bucketing": ("token-budget length buckets vs random fixed-size batches", "tokens/s", "higher", on_off(
-            lambda: t(), lambda: t(fixed_batches=True))),
-        "accumulation": ("1 x batch vs 4 x batch/4 (same tokens per update)", "tokens/s", "higher", on_off(
-            lambda: t(), lambda: t(("train", "accum_steps", 4), ("data", "batch_tokens", quarter)))),
-        "item_at_log_intervals": (".item() at log intervals vs every step", "tokens/s", "higher", on_off(
-            lambda: t(), lambda: t(item_every_step=True))),
-        "fused_loss": ("fused vocabulary loss vs autograd logsumexp/gather/mean", "tokens/s", "higher", on_off(
-            lambda: t(("train", "fused_loss", True)), lambda: t(("train", "fused_loss", False)))),
+        "workers": (f"num_workers {max(cfg.data.num_workers, 2)} vs 0", "tokens/s", "higher", pair(
+            t(("data", "num_workers", max(cfg.data.num_workers, 2))), t(("data", "num_workers", 0)))),
+        "precision_bf16": ("bf16 autocast vs fp32", "tokens/s", "higher", pair(
+            t(("train", "precision", "bf16")), t(("train", "precision", "fp32")))),
+        "set_to_none": ("zero_grad(set_to_none=True) vs writing zeros", "tokens/s", "higher", pair(
+            t(("train", "set_to_none", True)), t(("train", "set_to_none", False)))),
+        "bucketing": ("token-budget length buckets vs random fixed-size batches", "tokens/s", "higher", pair(
+            t(), t(fixed_batches=True))),
+        "accumulation": ("1 x batch vs 4 x batch/4 (same tokens per update)", "tokens/s", "higher", pair(
+            t(), t(("train", "accum_steps", 4), ("data", "batch_tokens", quarter)))),
+        "item_at_log_intervals": (".item() at log intervals vs every step", "tokens/s", "higher", pair(
+            t(), t(item_every_step=True))),
+        "fused_loss": ("fused vocabulary loss vs autograd logsumexp/gather/mean", "tokens/s", "higher", pair(
+            t(("train", "fused_loss", True)), t(("train", "fused_loss", False)))),
         "attention_kernel": ("explicit attention vs SDPA math kernel" if not cuda else "SDPA default vs math",
-                             "tokens/s", "higher", on_off(lambda: t(("train", "sdpa_backend", "auto")),
-                                                          lambda: t(("train", "sdpa_backend", "math")))),
-        "fast_dropout": ("dropout masks from SFC64 bits vs torch's bernoulli_", "tokens/s", "higher", on_off(
-            lambda: t(("model", "fast_dropout", True)), lambda: t(("model", "fast_dropout", False)))),
-        "fused_optimizer": ("AdamW(fused=True) vs torch's default implementation", "tokens/s", "higher", on_off(
-            lambda: t(("train", "fused_optimizer", True)), lambda: t(("train", "fused_optimizer", False)))),
-        "lean_layers": ("ReLU and no biases vs GELU with biases (a model choice)", "tokens/s", "higher", on_off(
-            lambda: t(("model", "activation", "relu"), ("model", "bias", False)),
-            lambda: t(("model", "activation", "gelu"), ("model", "bias", True)))),
+                             "tokens/s", "higher", pair(t(("train", "sdpa_backend", "auto")),
+                                                        t(("train", "sdpa_backend", "math")))),
+        "fast_dropout": ("dropout masks from SFC64 bits vs torch's bernoulli_", "tokens/s", "higher", pair(
+            t(("model", "fast_dropout", True)), t(("model", "fast_dropout", False)))),
+        "fused_optimizer": ("AdamW(fused=True) vs torch's default implementation", "tokens/s", "higher", pair(
+            t(("train", "fused_optimizer", True)), t(("train", "fused_optimizer", False)))),
+        "lean_layers": ("ReLU and no biases vs GELU with biases (a model choice)", "tokens/s", "higher", pair(
+            t(("model", "activation", "relu"), ("model", "bias", False)),
+            t(("model", "activation", "gelu"), ("model", "bias", True)))),
         "kv_cache": ("beam-4 decoding with KV cache vs recomputing the prefix", "sentences/s", "higher", on_off(
             lambda: decode_rate(cfg, True), lambda: decode_rate(cfg, False))),
-        "compile": ("torch.compile vs eager", "tokens/s", "higher", on_off(
-            lambda: t(("train", "compile", True)), lambda: t(("train", "compile", False)))),
+        "compile": ("torch.compile vs eager", "tokens/s", "higher", pair(
+            t(("train", "compile", True)), t(("train", "compile", False)))),
         "memory_eval_no_grad": ("evaluation: inference_mode + .item() vs autograd on + summed loss tensors",
                                 "peak MiB", "lower", lambda: memory_row(cfg, "eval_item", cfg, "eval_tensor", 8)),
         "memory_del_outputs": ("last step's outputs deleted vs kept referenced", "peak MiB", "lower",
@@ -149,24 +168,24 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
             variant(cfg, ("train", "precision", best)), "train", variant(cfg, ("train", "precision", "fp32")),
             "train", 2)),
         "naive_vs_default": ("every practice on (default config) vs every practice off", "tokens/s", "higher",
-                             on_off(lambda: t(), lambda: t(
+                             pair(t(), t(
                                  ("data", "num_workers", 0), ("train", "precision", "fp32"),
                                  ("train", "set_to_none", False), ("train", "fused_loss", False),
                                  ("train", "sdpa_backend", "default"), ("model", "fast_dropout", False),
                                  ("train", "fused_optimizer", False), fixed_batches=True, item_every_step=True))),
     }
     if cuda:
-        table["precision_fp16"] = ("fp16 autocast + GradScaler vs fp32", "tokens/s", "higher", on_off(
-            lambda: t(("train", "precision", "fp16")), lambda: t(("train", "precision", "fp32"))))
-        table["pin_memory"] = ("pinned memory + non-blocking copies vs pageable", "tokens/s", "higher", on_off(
-            lambda: t(("data", "pin_memory", True)), lambda: t(("data", "pin_memory", False))))
-        table["cudnn_benchmark"] = ("cudnn.benchmark on vs off", "tokens/s", "higher", on_off(
-            lambda: t(("train", "cudnn_benchmark", True)), lambda: t(("train", "cudnn_benchmark", False))))
+        table["precision_fp16"] = ("fp16 autocast + GradScaler vs fp32", "tokens/s", "higher", pair(
+            t(("train", "precision", "fp16")), t(("train", "precision", "fp32"))))
+        table["pin_memory"] = ("pinned memory + non-blocking copies vs pageable", "tokens/s", "higher", pair(
+            t(("data", "pin_memory", True)), t(("data", "pin_memory", False))))
+        table["cudnn_benchmark"] = ("cudnn.benchmark on vs off", "tokens/s", "higher", pair(
+            t(("train", "cudnn_benchmark", True)), t(("train", "cudnn_benchmark", False))))
     if cuda and torch.cuda.device_count() >= 2:
         split = (("placement", "encoder_device", "cuda:0"), ("placement", "decoder_device", "cuda:1"))
         table["pipeline_chunks"] = ("encoder/decoder on two GPUs: 4 pipeline chunks vs 1", "tokens/s", "higher",
-                                    on_off(lambda: t(*split, ("placement", "pipeline_chunks", 4)),
-                                           lambda: t(*split, ("placement", "pipeline_chunks", 1))))
+                                    pair(t(*split, ("placement", "pipeline_chunks", 4)),
+                                         t(*split, ("placement", "pipeline_chunks", 1))))
     if best == "fp32":
         for name in ("precision_bf16", "memory_precision"):
             table.pop(name)

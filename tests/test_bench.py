@@ -36,6 +36,17 @@ def test_every_timing_row_measures_on_and_off(cfg):
     assert list(cfg.tensorboard_dir.parent.glob("*-bench/events.out.tfevents.*"))
 
 
+def test_training_rows_alternate_their_repeats(cfg, monkeypatch):
+    import summarizer.bench as bench
+    order, real_repeat = [], bench.TrainingProbe.repeat
+    monkeypatch.setattr(bench.TrainingProbe, "repeat",
+                        lambda self: (order.append(self.cfg.model.activation), real_repeat(self))[1])
+    cfg.bench.warmup, cfg.bench.repeats = 1, 3
+    result = rows(cfg)["lean_layers"][3]()
+    assert order == ["relu", "gelu", "gelu", "relu", "relu", "gelu", "gelu", "relu"]  # drift hits both alike
+    assert result["on"]["n"] == result["off"]["n"] == 3
+
+
 def test_memory_rows_show_what_the_guides_warn_about(cfg):
     cfg.bench.rows = ["memory_eval_no_grad", "memory_del_outputs", "memory_precision"]
     cfg.bench.find_batch_tokens = False
