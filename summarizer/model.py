@@ -73,7 +73,9 @@ def attention_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_
         bias.masked_fill_(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu_(lk - lq + 1), MASK_BIAS)
     scores = torch.baddbmm(bias.expand(b, h, lq, lk).reshape(b * h, lq, lk), q.reshape(b * h, lq, d),
                            k.reshape(b * h, lk, d).transpose(1, 2), alpha=d ** -0.5)  # (B*H, Lq, Lk)
-    probs = F.dropout(scores.softmax(dim=-1), dropout_p) if dropout_p else scores.softmax(dim=-1)
+    probs = scores.softmax(dim=-1)
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p)
     return torch.bmm(probs, v.reshape(b * h, lk, d)).view(b, h, lq, d)
 
 
@@ -111,7 +113,8 @@ class FeedForward(nn.Sequential):
     # No dropout inside: Vaswani et al. drop only sub-layer outputs and embeddings, and on CPU the
     # (B, N, ffn_dim) mask would be the costliest random draw of the step (measured by `make bench`).
     def __init__(self, cfg: ModelConfig):
-        act = nn.ReLU(inplace=True) if cfg.activation == "relu" else nn.GELU()  # in place: one (B, N, ffn) buffer less
+        # ReLU in place: one (B, N, ffn_dim) buffer less; its backward needs only the output.
+        act = nn.ReLU(inplace=True) if cfg.activation == "relu" else nn.GELU()
         super().__init__(nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias), act,
                          nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias))
 

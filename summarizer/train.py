@@ -216,7 +216,8 @@ def open_session(cfg: Config) -> Session:
                                 pad_multiple=cfg.data.pad_multiple)
     stream = batches_forever(make_loader(train_ds, sampler, cfg.data, rt.device, cfg.train.seed), sampler,
                              progress["epoch"], progress["position"])
-    valid_ds = PairDataset.from_dir(cfg.data.dir, valid_split(meta), cfg.data)
+    valid_name = valid_split(meta)
+    valid_ds = PairDataset.from_dir(cfg.data.dir, valid_name, cfg.data)
     valid_loader = make_loader(valid_ds, TokenBatchSampler(
         valid_ds.src_lens, valid_ds.tgt_lens, cfg.data.batch_tokens, shuffle=False, rank=rt.rank,
         world_size=rt.world_size, even=False, pad_multiple=cfg.data.pad_multiple), cfg.data, rt.device, cfg.train.seed)
@@ -225,7 +226,7 @@ def open_session(cfg: Config) -> Session:
         write_manifest(cfg, cfg.run_dir, [rt.device, rt.decoder_device], rt.precision, meta, rt.world_size)
     monitor = Monitor(cfg, rt.is_main, progress["step"], cfg.train.max_steps)
     monitor.write(f"model {count_parameters(model) / 1e6:.1f}M parameters, precision {rt.precision}, "
-                  f"{len(train_ds)} train pairs, {len(valid_ds)} {valid_split(meta)} pairs, "
+                  f"{len(train_ds)} train pairs, {len(valid_ds)} {valid_name} pairs, "
                   f"{'resuming at step ' + str(progress['step']) if latest else 'starting'}")
     return Session(cfg, rt, meta, tokenizer, model, optimizer, scheduler, scaler, progress, stream,
                    valid_ds, valid_loader, monitor, latest is not None)
@@ -288,15 +289,13 @@ def after_step(s: Session, window: Window, out: dict, time_up: bool) -> bool:
     if step % t.log_every == 0 or final:
         s.monitor.log(step, "train", window.summary(lr, out["grad_norm"]))
         window.reset()
-    early_stop, paused = False, False
     rouge = bool(t.rouge_every) and (step % t.rouge_every == 0 or final)
-    if step % t.eval_every == 0 or final or rouge:
-        early_stop, paused = validate(s, {"lr": lr, "grad_norm": out["grad_norm"].item()}, rouge), True
-    if step % t.ckpt_every == 0 or final or early_stop:
-        if s.rt.is_main:
-            checkpoint.save_step(s.snapshot(), s.cfg.run_dir, t.keep_last)
-        paused = True
-    if paused:
+    evaluate = step % t.eval_every == 0 or final or rouge
+    early_stop = evaluate and validate(s, {"lr": lr, "grad_norm": out["grad_norm"].item()}, rouge)
+    save = step % t.ckpt_every == 0 or final or early_stop
+    if save and s.rt.is_main:
+        checkpoint.save_step(s.snapshot(), s.cfg.run_dir, t.keep_last)
+    if evaluate or save:
         window.reset()  # evaluation and checkpoint writing are not training throughput
     return time_up or early_stop
 
