@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import statistics
 import sys
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 
 from summarizer import bench_memory, runtime
-from summarizer.config import Config
+from summarizer.config import Config, from_dict, to_dict
 from summarizer.data import PairDataset, TokenBatchSampler, make_loader, pad_sources, padding_fraction
 from summarizer.decoding import beam_search
 from summarizer.prepared import read_meta, valid_split
@@ -44,7 +45,7 @@ def stats(values: list[float]) -> dict:
 class TrainingProbe:
     """One variant's training loop, data loading included, timed `bench.steps` optimizer steps at a time."""
 
-    def __init__(self, cfg: Config, fixed_batches: bool = False, item_every_step: bool = False):
+    def __init__(self, cfg: Config, fixed_batches: bool = False, item_every_step: bool = False, recurring: int = 0):
         self.cfg, self.item_every_step = cfg, item_every_step
         self.rt = runtime.setup(cfg)
         torch.manual_seed(cfg.train.seed)
@@ -58,6 +59,8 @@ class TrainingProbe:
         self.padding = padding_fraction(sampler.plan(0), ds.src_lens, ds.tgt_lens)
         self.stream = batches_forever(make_loader(ds, sampler, cfg.data, self.rt.device, cfg.train.seed),
                                       sampler, 0, 0)
+        if recurring:  # the same `recurring` batches over and over: their shapes recur, as epoch after epoch
+            self.stream = itertools.cycle([next(self.stream) for _ in range(recurring)])
 
     def repeat(self) -> float:
         """tokens/s over the next `bench.steps` steps."""
@@ -89,6 +92,28 @@ def training_rates(on: tuple, off: tuple) -> dict:
             if repeat >= cfg.bench.warmup:
                 rates[key].append(rate)
     return {key: {**stats(rates[key]), "padding": probe.padding} for key, probe in probes.items()}
+
+
+def _recurring_rates(cfg_dict: dict, repeats: int) -> dict:
+    """In a fresh process: one warm pass over `repeats * bench.steps` batches, then tokens/s of
+    each repeat of a second pass, whose shapes were all seen in the first."""
+    cfg = from_dict(cfg_dict)
+    probe = TrainingProbe(cfg, recurring=repeats * cfg.bench.steps)
+    return {"rates": [probe.repeat() for _ in range(2 * repeats)][repeats:]}
+
+
+def kernel_cache_rates(on: Config, off: Config) -> dict:
+    """tokens/s with two oneDNN kernel-cache sizes. oneDNN reads the size once per process, so the
+    variants run in fresh processes, taking turns (on, off, off, on), `bench.repeats` each."""
+    first, second = (on.bench.repeats + 1) // 2, on.bench.repeats // 2
+    rates = {"on": [], "off": []}
+    for key, cfg, repeats in (("on", on, first), ("off", off, first), ("off", off, second), ("on", on, second)):
+        if repeats:
+            result = bench_memory.in_fresh_process(_recurring_rates, to_dict(cfg), repeats)
+            if "error" in result:
+                raise RuntimeError(result["error"])
+            rates[key] += result["rates"]
+    return {key: stats(values) for key, values in rates.items()}
 
 
 def decode_rate(cfg: Config, use_cache: bool) -> dict:
@@ -156,6 +181,9 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
         "lean_layers": ("ReLU and no biases vs GELU with biases (a model choice)", "tokens/s", "higher", pair(
             t(("model", "activation", "relu"), ("model", "bias", False)),
             t(("model", "activation", "gelu"), ("model", "bias", True)))),
+        "kernel_cache": (f"CPU kernel cache {cfg.train.cpu_kernel_cache} vs oneDNN's default 1024, shapes recurring",
+                         "tokens/s", "higher", lambda: kernel_cache_rates(
+                             cfg, variant(cfg, ("train", "cpu_kernel_cache", 1024)))),
         "kv_cache": ("beam-4 decoding with KV cache vs recomputing the prefix", "sentences/s", "higher", on_off(
             lambda: decode_rate(cfg, True), lambda: decode_rate(cfg, False))),
         "compile": ("torch.compile vs eager", "tokens/s", "higher", pair(
@@ -186,6 +214,8 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
         table["pipeline_chunks"] = ("encoder/decoder on two GPUs: 4 pipeline chunks vs 1", "tokens/s", "higher",
                                     pair(t(*split, ("placement", "pipeline_chunks", 4)),
                                          t(*split, ("placement", "pipeline_chunks", 1))))
+    if cuda:
+        table.pop("kernel_cache")
     if best == "fp32":
         for name in ("precision_bf16", "memory_precision"):
             table.pop(name)
@@ -194,7 +224,7 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
 
 NOT_HERE = {"precision_bf16": "no fast bf16 on this device", "precision_fp16": "needs CUDA",
             "pin_memory": "needs CUDA (pinning only speeds up host-to-GPU copies)",
-            "cudnn_benchmark": "needs CUDA", "pipeline_chunks": "needs two GPUs",
+            "cudnn_benchmark": "needs CUDA", "kernel_cache": "a CPU (oneDNN) setting", "pipeline_chunks": "needs two GPUs",
             "memory_precision": "no 16-bit mode worth measuring on this device"}
 
 

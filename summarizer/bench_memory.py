@@ -1,4 +1,4 @@
-"""Memory figures for the bench: each variant runs in a fresh process, so its peak is its own."""
+"""Bench measurements that need a fresh process: memory peaks, and settings a process reads once."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -9,12 +9,24 @@ from summarizer.config import Config, from_dict, to_dict
 from summarizer.monitor import current_memory_mb, peak_memory_mb
 
 
-def _child(cfg_dict: dict, variant: str, steps: int, batch_tokens: int, queue) -> None:
-    """Run `steps` steps of one variant; report the peak memory above the post-setup baseline."""
+def _child(target, args: tuple, queue) -> None:
     try:
-        queue.put(_measure(from_dict(cfg_dict), variant, steps, batch_tokens))
+        queue.put(target(*args))
     except Exception as exc:  # reported to the parent, which decides what a failure means
         queue.put({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"})
+
+
+def in_fresh_process(target, *args) -> dict:
+    """target(*args) -> dict, run in a spawned process: its peak memory and process-wide settings
+    (read once, like oneDNN's kernel cache size) are its own. {"error": ...} if it raised or died."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(target, args, queue))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:  # killed (e.g. by the kernel's OOM killer) before it could report
+        return {"error": f"process exited with code {proc.exitcode}"}
+    return queue.get()
 
 
 def _synthetic_batch(cfg: Config, batch_tokens: int, vocab: int) -> dict:
@@ -27,11 +39,13 @@ def _synthetic_batch(cfg: Config, batch_tokens: int, vocab: int) -> dict:
     return {"src_ids": src, "tgt_in": tgt, "tgt_out": tgt, "n_src": n * s, "n_tgt": n * t, "src_ids_dec": src}
 
 
-def _measure(cfg: Config, variant: str, steps: int, batch_tokens: int) -> dict:
+def _measure(cfg_dict: dict, variant: str, steps: int, batch_tokens: int) -> dict:
+    """Run `steps` steps of one variant; report the peak memory above the post-setup baseline."""
     from summarizer.losses import smoothed_nll
     from summarizer.model import Seq2Seq
     from summarizer.prepared import read_meta
     from summarizer.train import to_device
+    cfg = from_dict(cfg_dict)
     rt = runtime.setup(cfg)
     torch.manual_seed(0)
     vocab = read_meta(cfg.data.dir)["vocab_size"]
@@ -76,14 +90,7 @@ def peak_memory(cfg: Config, variant: str, steps: int, batch_tokens: int | None 
     variants: train (the loop as written), keep_outputs (last step's outputs not deleted),
     eval_tensor (evaluation with autograd on, losses kept as tensors), eval_item (inference_mode + .item()).
     """
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(to_dict(cfg), variant, steps, batch_tokens or cfg.data.batch_tokens, queue))
-    proc.start()
-    proc.join()
-    if proc.exitcode != 0:  # killed (e.g. by the kernel's OOM killer) before it could report
-        return {"error": f"process exited with code {proc.exitcode}"}
-    return queue.get()
+    return in_fresh_process(_measure, to_dict(cfg), variant, steps, batch_tokens or cfg.data.batch_tokens)
 
 
 def fits(cfg: Config, batch_tokens: int, budget_mb: float) -> bool:

@@ -92,6 +92,7 @@ class TrainConfig:
     fused_optimizer: bool = True  # AdamW(fused=True): one kernel for all parameters (CPU and CUDA)
     fused_loss: bool = True  # one-pass vocabulary loss with an in-place backward (losses.VocabStats)
     cudnn_benchmark: bool = True
+    cpu_kernel_cache: int = 8192
     compile: bool = False
     log_every: int = 50  # host syncs (.item()) happen only here
     eval_every: int = 500
@@ -282,8 +283,9 @@ def validate(cfg: Config) -> None:
                           f"({d.max_source_len + d.max_target_len} tokens)")
     if t.select_by == "rouge" and t.rouge_every <= 0:
         raise ConfigError("train.select_by=rouge needs train.rouge_every > 0")
-    if d.num_workers < 0:
-        raise ConfigError("data.num_workers must be >= 0")
+    for key, value in {"data.num_workers": d.num_workers, "train.cpu_kernel_cache": t.cpu_kernel_cache}.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
     if not isinstance(d.splits, dict) or "train" not in d.splits:
         raise ConfigError("data.splits must map 'train' (and optionally 'valid', 'test') to source split names")
 

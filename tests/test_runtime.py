@@ -74,3 +74,35 @@ def test_cpu_attention_kernel_choice(backend, explicit):
     with rt.compute():
         assert _EXPLICIT_ATTENTION.get() is explicit
     assert _EXPLICIT_ATTENTION.get() is False
+
+
+_CONV_TWICE = """
+import sys, torch
+from summarizer import runtime
+from summarizer.config import load_config
+runtime.setup(load_config(None, ["train.device=cpu", "train.cpu_kernel_cache=" + sys.argv[1]]))
+weight = torch.randn(32, 16, 3)
+for _ in range(2):  # 20 distinct shapes, then the same 20 again
+    for length in range(100, 120):
+        torch.nn.functional.conv1d(torch.randn(4, 16, length), weight)
+"""
+
+
+def _conv_kernel_lookups(capacity: int) -> list[str]:
+    """oneDNN's own log of each convolution kernel lookup (cache_hit or cache_miss) in a fresh process."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "ONEDNN_VERBOSE": "profile_create"}
+    env.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY", None)
+    out = subprocess.run([sys.executable, "-c", _CONV_TWICE, str(capacity)], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    return [line for line in out.splitlines() if ",convolution," in line and "create:" in line]
+
+
+def test_cpu_kernel_cache_keeps_the_kernels_of_recurring_shapes():
+    lookups = _conv_kernel_lookups(1000)
+    assert len(lookups) == 40
+    assert [("cache_hit" in line) for line in lookups] == [False] * 20 + [True] * 20
+    # Each shape needs a convolution and its layout reorders: two kept kernels evict every one.
+    assert not any("cache_hit" in line for line in _conv_kernel_lookups(2))
