@@ -154,6 +154,7 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
     t = lambda *o, **kw: (variant(cfg, *o), kw)  # noqa: E731  (a training variant: config, probe options)
     pair = lambda on, off: (lambda: training_rates(on, off))  # noqa: E731
     on_off = lambda on, off: (lambda: {"on": on(), "off": off()})  # noqa: E731
+    padded = max(cfg.data.pad_multiple, 4)
     quarter = max(cfg.data.batch_tokens // 4, cfg.data.max_source_len + cfg.data.max_target_len)
     table = {
         "workers": (f"num_workers {max(cfg.data.num_workers, 2)} vs 0", "tokens/s", "higher", pair(
@@ -183,10 +184,9 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
         "kernel_cache": (f"CPU kernel cache {cfg.train.cpu_kernel_cache} vs oneDNN's default 1024, in the second epoch",
                          "tokens/s", "higher", lambda: second_epoch_rates(
                              cfg, variant(cfg, ("train", "cpu_kernel_cache", 1024)))),
-        "pad_multiple": (f"lengths padded to multiples of {max(cfg.data.pad_multiple, 4)} vs unpadded, in the second epoch",
-                         "tokens/s", "higher", lambda: second_epoch_rates(
-                             variant(cfg, ("data", "pad_multiple", max(cfg.data.pad_multiple, 4))),
-                             variant(cfg, ("data", "pad_multiple", 1)))),
+        "pad_multiple": (f"lengths padded to multiples of {padded} vs unpadded, in the second epoch", "tokens/s",
+                         "higher", lambda: second_epoch_rates(variant(cfg, ("data", "pad_multiple", padded)),
+                                                              variant(cfg, ("data", "pad_multiple", 1)))),
         "kv_cache": ("beam-4 decoding with KV cache vs recomputing the prefix", "sentences/s", "higher", on_off(
             lambda: decode_rate(cfg, True), lambda: decode_rate(cfg, False))),
         "compile": ("torch.compile vs eager", "tokens/s", "higher", pair(
@@ -227,7 +227,8 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
 
 NOT_HERE = {"precision_bf16": "no fast bf16 on this device", "precision_fp16": "needs CUDA",
             "pin_memory": "needs CUDA (pinning only speeds up host-to-GPU copies)",
-            "cudnn_benchmark": "needs CUDA", "kernel_cache": "a CPU (oneDNN) setting", "pipeline_chunks": "needs two GPUs",
+            "cudnn_benchmark": "needs CUDA", "kernel_cache": "a CPU (oneDNN) setting",
+            "pipeline_chunks": "needs two GPUs",
             "memory_precision": "no 16-bit mode worth measuring on this device"}
 
 

@@ -29,6 +29,7 @@ def test_defaults_then_yaml_then_overrides(tmp_path):
     ("model.n_heads=3", "divisible"),
     ("model=3", "is a section"),
     ("train.select_by=rouge", "rouge_every"),
+    ("train.cpu_kernel_cache=-1", "train.cpu_kernel_cache must be >= 0"),
     ("noequals", "key.sub=value"),
 ])
 def test_bad_values_name_the_key_and_fix(override, message):
