@@ -55,10 +55,11 @@ class TrainingProbe:
                                      seed=cfg.train.seed, pad_multiple=cfg.data.pad_multiple)
         sampler = FixedSizeSampler(len(ds), max(1, round(len(ds) / len(bucketed.plan(0)))), cfg.train.seed) \
             if fixed_batches else bucketed
-        self.padding = padding_fraction(sampler.plan(0), ds.src_lens, ds.tgt_lens)
+        first_epoch = sampler.plan(0)
+        self.padding = padding_fraction(first_epoch, ds.src_lens, ds.tgt_lens)
+        self.epoch_steps = len(first_epoch)
         self.stream = batches_forever(make_loader(ds, sampler, cfg.data, self.rt.device, cfg.train.seed),
                                       sampler, 0, 0)
-        self.epoch_steps = len(sampler.plan(0))
 
     def repeat(self, steps: int = 0) -> float:
         """tokens/s over the next `steps` (default `bench.steps`) steps."""

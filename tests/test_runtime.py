@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -90,9 +94,6 @@ for _ in range(2):  # 20 distinct shapes, then the same 20 again
 
 def _conv_kernel_lookups(capacity: int) -> list[str]:
     """oneDNN's own log of each convolution kernel lookup (cache_hit or cache_miss) in a fresh process."""
-    import os
-    import subprocess
-    import sys
     env = {**os.environ, "ONEDNN_VERBOSE": "profile_create"}
     env.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY", None)
     out = subprocess.run([sys.executable, "-c", _CONV_TWICE, str(capacity)], env=env, capture_output=True,
