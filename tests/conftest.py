@@ -9,8 +9,11 @@ ASSETS = Path(__file__).parent / "assets"
 
 
 def data_config(data_dir, *overrides: str) -> DataConfig:
-    """Test defaults: a small vocab and no worker processes, so each prep takes well under a second."""
+    """Test defaults: a small vocab and no worker processes, so each prep takes well under a second; the
+    usual split names mapped one to one, no hold-out and no normalisation, so each test sets what it checks."""
     return load_config(None, [f"data.dir={data_dir}", "data.vocab_size=64", "data.num_proc=1",
+                              "data.splits={train: [train], valid: [valid, validation, dev], test: [test]}",
+                              "data.valid_holdout=0", "data.lowercase=false", "data.mask_digits=false",
                               *overrides]).data
 
 

@@ -15,7 +15,7 @@ def test_defaults_then_yaml_then_overrides(tmp_path):
     assert cfg.train.betas == [0.9, 0.99]
     assert cfg.model.encoder_layers == 3  # untouched default
     edited = load_config(None, ["data.splits.test=[test_dev]"])  # one entry edits the mapping
-    assert edited.data.splits["test"] == ["test_dev"] and edited.data.splits["train"] == ["train"]
+    assert edited.data.splits["test"] == ["test_dev"] and edited.data.splits["train"] == ["train", "valid"]
 
 
 @pytest.mark.parametrize("override, message", [
@@ -28,7 +28,7 @@ def test_defaults_then_yaml_then_overrides(tmp_path):
     ("model.activation=rleu", "Did you mean 'relu'"),
     ("model.n_heads=3", "divisible"),
     ("model=3", "is a section"),
-    ("train.select_by=rouge", "rouge_every"),
+    ("train.rouge_every=0", "rouge_every"),
     ("train.cpu_kernel_cache=-1", "train.cpu_kernel_cache must be >= 0"),
     ("noequals", "key.sub=value"),
 ])
@@ -52,6 +52,24 @@ def test_round_trip_through_dict_and_file(tmp_path):
     save_config(cfg, tmp_path / "c.yaml")
     assert to_dict(load_config(tmp_path / "c.yaml")) == to_dict(cfg)
     assert str(cfg.run_dir) == "checkpoints/x"
+
+
+def test_base_yaml_is_exactly_the_code_defaults():
+    """The dataclass defaults are the reference recipe; configs/base.yaml documents it and must not drift."""
+    assert to_dict(load_config("configs/base.yaml")) == to_dict(load_config(None))
+
+
+def test_other_configs_override_only_what_differs_from_the_recipe():
+    from pathlib import Path
+    defaults = to_dict(load_config(None))
+    for path in sorted(Path("configs").glob("*.yaml")):
+        if path.name == "base.yaml":
+            continue
+        loaded = to_dict(load_config(path))
+        for section, values in yaml.safe_load(path.read_text()).items():
+            for key in values:
+                assert loaded[section][key] != defaults[section][key], \
+                    f"{path}: {section}.{key} repeats the recipe's value {defaults[section][key]!r}; drop it"
 
 
 def test_every_shipped_config_loads_and_base_documents_every_key():

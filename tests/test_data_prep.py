@@ -5,8 +5,8 @@ import datasets
 import numpy as np
 import pytest
 import yaml
-
 from conftest import ASSETS, data_config
+
 from data_prep import prepare
 from data_prep.__main__ import main
 from data_prep.clean import RULES, clean_split, hold_out
@@ -195,14 +195,16 @@ def test_small_data_falls_back_to_the_vocab_it_supports(tmp_path):
 
 
 def test_second_run_does_nothing(tmp_path, capsys):
-    args = [f"data.source={ASSETS / 'rush'}", f"data.dir={tmp_path}", "data.vocab_size=64", "data.num_proc=1"]
+    args = [f"data.source={ASSETS / 'rush'}", f"data.dir={tmp_path}", "data.vocab_size=64", "data.num_proc=1",
+            "data.valid_holdout=0"]
     assert main(args) == 0
     assert "prepared" in capsys.readouterr().out
     mtimes = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.is_file()}
     assert main(args) == 0
     assert "nothing to do" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.is_file()} == mtimes
-    assert main(args[:-2] + ["data.vocab_size=60", "data.num_proc=1"]) == 0  # a changed key rebuilds
+    changed = args[:-3] + ["data.vocab_size=60", "data.num_proc=1", "data.valid_holdout=0"]
+    assert main(changed) == 0  # a changed key rebuilds
     assert read_meta(tmp_path)["requested_vocab_size"] == 60
 
 

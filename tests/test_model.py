@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from summarizer.config import ModelConfig
-from summarizer.model import Seq2Seq, reorder_cache
+from summarizer.model import Seq2Seq
 
-
-LEAN = {"activation": "relu", "bias": False}  # configs/base.yaml's choice; the defaults are GELU with biases
+FULL = {"activation": "gelu", "bias": True}  # the alternative the switches offer
 
 
 def tiny_model(copy=True, vocab=50, **overrides):
@@ -35,7 +34,7 @@ def test_shapes_tally_and_outputs_are_distributions(copy):
 
 
 @pytest.mark.parametrize("copy", [False, True])
-@pytest.mark.parametrize("variant", [{}, LEAN])
+@pytest.mark.parametrize("variant", [{}, FULL])
 def test_padding_does_not_change_real_positions(copy, variant):
     model = tiny_model(copy, **variant)
     src, tgt = torch.randint(4, 50, (2, 6)), torch.randint(4, 50, (2, 4))
@@ -58,7 +57,7 @@ def test_decoder_is_causal():
 
 
 @pytest.mark.parametrize("copy", [False, True])
-@pytest.mark.parametrize("variant", [{}, LEAN])
+@pytest.mark.parametrize("variant", [{}, FULL])
 def test_kv_cached_decoding_equals_full_recomputation(copy, variant):
     model = tiny_model(copy, **variant)
     src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 6))
@@ -66,7 +65,7 @@ def test_kv_cached_decoding_equals_full_recomputation(copy, variant):
     full = model.decode(tgt, memory, src)
     steps = [model.decode(tgt[:, i:i + 1], memory, src, cache) for i in range(6)]
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
-    reordered = reorder_cache(cache, torch.tensor([2, 0]))
+    reordered = Seq2Seq.reorder_cache(cache, torch.tensor([2, 0]))
     assert reordered["layer0.k"].shape[0] == 2 and torch.equal(reordered["layer0.k"][0], cache["layer0.k"][2])
 
 
@@ -79,7 +78,7 @@ def test_copy_puts_mass_on_source_tokens():
     assert torch.allclose(probs[0, :, [7, 9, 11]].sum(-1), torch.ones(2), atol=1e-4)
 
 
-@pytest.mark.parametrize("variant", [{}, LEAN])
+@pytest.mark.parametrize("variant", [{}, FULL])
 def test_gradients_reach_every_parameter(variant):
     model = tiny_model(**variant).train()
     src, tgt = torch.randint(4, 50, (2, 5)), torch.randint(4, 50, (2, 4))
@@ -90,11 +89,11 @@ def test_gradients_reach_every_parameter(variant):
 
 
 def test_lean_variant_drops_every_bias_but_the_gate_and_uses_relu():
-    names = {n for n, _ in tiny_model(**LEAN).named_parameters()}
+    names = {n for n, _ in tiny_model().named_parameters()}
     assert {n for n in names if n.endswith("bias")} == {"copy_gate.bias"}
-    assert {n for n, _ in tiny_model().named_parameters()} > names  # the default keeps them
-    ffn = tiny_model(**LEAN).encoder_layers[0].ffn
-    assert isinstance(ffn[1], torch.nn.ReLU) and isinstance(tiny_model().encoder_layers[0].ffn[1], torch.nn.GELU)
+    assert {n for n, _ in tiny_model(**FULL).named_parameters()} > names  # model.bias=true keeps them
+    ffn = tiny_model().encoder_layers[0].ffn
+    assert isinstance(ffn[1], torch.nn.ReLU) and isinstance(tiny_model(**FULL).encoder_layers[0].ffn[1], torch.nn.GELU)
 
 
 def test_model_is_pure_math():
