@@ -10,10 +10,10 @@ TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 TB_PORT ?= 6006
 
-.PHONY: install test prep train eval summarize overfit smoke bench tensorboard clean help
+.PHONY: install check test prep train eval summarize overfit smoke bench tensorboard clean help
 
 help:
-	@echo "make install | test | prep | train | eval | summarize | overfit | smoke | bench | tensorboard | clean"
+	@echo "make install | check | test | prep | train | eval | summarize | overfit | smoke | bench | tensorboard | clean"
 	@echo "  CONFIG=$(CONFIG)  ARGS='key.sub=value ...'"
 
 install: $(VENV)/.installed
@@ -25,6 +25,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -c "import torch, sentencepiece, datasets, rouge_score, tensorboard; print('installed torch', torch.__version__)"
 	touch $@
+
+# Lint (ruff.toml): pyflakes, pycodestyle, import order, bugbear, pyupgrade.
+check: install
+	$(VENV)/bin/ruff check .
 
 # pytest exits 5 when it collected no test: that must fail, never pass silently.
 test: install

@@ -8,10 +8,11 @@ from pathlib import Path
 
 from data_prep.clean import clean_split, hold_out
 from data_prep.sources import PRODUCT_SPLITS, input_files, is_hub, load_splits
-from data_prep.tokenize import atomic_write_bytes, encode_split, token_dtype, write_split
+from data_prep.tokenize import encode_split, token_dtype, write_split
 from data_prep.train_spm import train_spm
 from summarizer.config import DataConfig
 from summarizer.errors import DataError
+from summarizer.outputs import atomic_write
 from summarizer.prepared import FORMAT_VERSION, META_FILE, SPM_FILE, split_files
 from summarizer.tokenizer import BOS, EOS, PAD, UNK
 
@@ -98,7 +99,7 @@ def prepare(cfg: DataConfig) -> dict | None:
     cleaned, raw_pairs, dropped, held = _load_and_clean(cfg, data_dir)
     spm_model, spm_info = train_spm(cleaned["train"], cfg)
     _clear_outputs(data_dir)  # only now: every failure a user can cause has happened by here
-    atomic_write_bytes(data_dir / SPM_FILE, spm_model)
+    atomic_write(data_dir / SPM_FILE, spm_model)
     dtype = token_dtype(spm_info["vocab_size"])
     stats = {}
     for split, pairs in cleaned.items():
@@ -115,7 +116,7 @@ def prepare(cfg: DataConfig) -> dict | None:
         "held_out_as_valid": held, "fingerprint": fp, "seconds": round(time.perf_counter() - start, 2),
     }
     # Written last: its presence (with this fingerprint) is what marks the dir as prepared.
-    atomic_write_bytes(data_dir / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+    atomic_write(data_dir / META_FILE, json.dumps(meta, indent=2) + "\n")
     print(summary_line(data_dir, meta), flush=True)
     return meta
 

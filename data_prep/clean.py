@@ -38,7 +38,7 @@ def _drop_rule(raw_src: str, raw_tgt: str, src: str, tgt: str, max_src: int, max
 
 def _clean_batch(batch: dict, lowercase: bool, mask_digits: bool, max_src: int, max_tgt: int) -> dict:
     out = {"source": [], "target": [], "references": [], "drop": [], "pair_hash": [], "source_hash": []}
-    for raw_src, raw_tgt, refs in zip(batch["source"], batch["target"], batch["references"]):
+    for raw_src, raw_tgt, refs in zip(batch["source"], batch["target"], batch["references"], strict=True):
         raw_src, raw_tgt = raw_src or "", raw_tgt or ""  # CSV gives None for an empty cell
         src = normalize(raw_src, lowercase, mask_digits)
         tgt = normalize(raw_tgt, lowercase, mask_digits)
@@ -60,7 +60,7 @@ def clean_split(ds: Dataset, cfg: DataConfig, name: str, num_proc: int | None) -
                 desc=f"Cleaning {name}")
     columns = ds.with_format("numpy", columns=["drop", "pair_hash"])[:]
     drop, pair_hash = columns["drop"], columns["pair_hash"]
-    dropped = {str(rule): int(n) for rule, n in zip(*np.unique(drop, return_counts=True)) if rule}
+    dropped = {str(rule): int(n) for rule, n in zip(*np.unique(drop, return_counts=True), strict=True) if rule}
     kept = np.flatnonzero(drop == "")
     # First occurrence of each exact (source, target) pair wins, so the output keeps input order.
     # Pairs are compared by 64-bit hash: a false duplicate needs a collision (~1e-7 at 4M pairs).

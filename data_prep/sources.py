@@ -156,7 +156,8 @@ def _standardize(ds: Dataset, cfg: DataConfig, origin: str) -> Dataset:
     has_refs = cfg.references_field in ds.column_names
     keep = [cfg.source_field, cfg.target_field] + ([cfg.references_field] if has_refs else [])
     ds = ds.select_columns(keep)
-    ds = ds.rename_columns({old: new for old, new in zip(keep, ("source", "target", "references")) if old != new})
+    names = zip(keep, ("source", "target", "references")[:len(keep)], strict=True)
+    ds = ds.rename_columns({old: new for old, new in names if old != new})
     if not has_refs:
         ds = ds.add_column("references", [[]] * len(ds))
     try:

@@ -1,9 +1,7 @@
-"""Offline tokenization of cleaned splits into flat token arrays + offsets, and atomic writing of every output."""
+"""Offline tokenization of cleaned splits into flat token arrays + offsets, written atomically."""
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -11,27 +9,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from datasets import Dataset, Features, List, Value
 
+from summarizer.outputs import atomic_open
 from summarizer.prepared import split_files
 from summarizer.tokenizer import Tokenizer
-
-
-@contextlib.contextmanager
-def atomic_open(path: Path, mode: str = "wb"):
-    """Write to `<path>.tmp`, then rename over path: a crash never leaves a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    with atomic_open(path, "wb") as f:
-        f.write(data)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -81,7 +61,7 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 def _write_pairs(path: Path, pairs: Dataset) -> None:
     with atomic_open(path, "w") as f:
         for batch in pairs.select_columns(["source", "target", "references"]).iter(batch_size=10_000):
-            for src, tgt, refs in zip(batch["source"], batch["target"], batch["references"]):
+            for src, tgt, refs in zip(batch["source"], batch["target"], batch["references"], strict=True):
                 record = {"source": src, "target": tgt, **({"references": refs} if refs else {})}
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
 

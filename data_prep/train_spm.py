@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from typing import Iterator
+from collections.abc import Iterator
 
 import sentencepiece as spm
 from datasets import Dataset

@@ -36,8 +36,8 @@ def run(args: argparse.Namespace) -> int:
             summary = train(cfg)
         finally:
             teardown()  # under torchrun: leave the process group cleanly, whatever happened
-        best, by = summary["best"], cfg.train.select_by
-        best = "n/a" if best is None else f"ROUGE-1 {-best:.2f}" if by == "rouge" else f"loss {best:.4f}"
+        best = summary["best"]
+        best = "n/a" if best is None else f"{best['metric']} {best['value']:.4g}"
         print(f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best valid {best}; "
               f"checkpoints in {summary['run_dir']}")
         return 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -13,8 +14,9 @@ import torch
 
 from summarizer import bench_memory, runtime
 from summarizer.config import Config, from_dict, to_dict
-from summarizer.data import PairDataset, TokenBatchSampler, make_loader, pad_sources, padding_fraction
-from summarizer.decoding import beam_search
+from summarizer.data import PairDataset, TokenBatchSampler, make_loader, padding_fraction
+from summarizer.decoding import decode_all
+from summarizer.outputs import atomic_write
 from summarizer.prepared import read_meta, valid_split
 from summarizer.train import batches_forever, build, to_device, train_step
 
@@ -71,8 +73,9 @@ class TrainingProbe:
             tokens += sum(b["n_src"] + b["n_tgt"] for b in micro)
             if self.item_every_step:  # what logging every step costs: host syncs for each value
                 out["nll_sum"].item(), out["grad_norm"].item()
-        if rt.decoder_device.type == "cuda":
-            torch.cuda.synchronize(rt.decoder_device)
+        for device in rt.devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         return tokens / (time.perf_counter() - started)
 
 
@@ -121,16 +124,15 @@ def decode_rate(cfg: Config, use_cache: bool) -> dict:
     rt = runtime.setup(cfg)
     torch.manual_seed(cfg.train.seed)
     meta = read_meta(cfg.data.dir)
-    model = build(cfg, rt, meta)[0].eval()
+    model = build(cfg, rt, meta)[0]
     ds = PairDataset.from_dir(cfg.data.dir, valid_split(meta), cfg.data)
     n = min(cfg.bench.decode_sentences, len(ds))
-    src = pad_sources([ds[i][0] for i in range(n)])
+    sources = [ds[i][0] for i in range(n)]
+    settings = dataclasses.replace(cfg.eval, beam_size=4, batch_size=n)
     rates = []
     for repeat in range(cfg.bench.warmup + cfg.bench.repeats):
         started = time.perf_counter()
-        with rt.compute():
-            beam_search(runtime.decoding_model(model), src.to(rt.device), 4, max_len=cfg.eval.max_len,
-                        use_cache=use_cache)
+        decode_all(model, sources, settings, rt, use_cache=use_cache)
         if repeat >= cfg.bench.warmup:
             rates.append(n / (time.perf_counter() - started))
     return stats(rates)
@@ -300,12 +302,12 @@ def markdown(results: list[dict]) -> str:
 
 def write_outputs(cfg: Config, results: list[dict]) -> None:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.run_dir / "bench.json").write_text(json.dumps(results, indent=2))
+    atomic_write(cfg.run_dir / "bench.json", json.dumps(results, indent=2))
     table = markdown(results)
     header = (f"Medians of {cfg.bench.repeats} repeats of {cfg.bench.steps} steps after {cfg.bench.warmup} "
               f"warm-up, [min-max]; device {runtime.resolve_device(cfg.train.device)}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads.\n\n")
-    (cfg.run_dir / "bench.md").write_text(header + table)
+    atomic_write(cfg.run_dir / "bench.md", header + table)
     from torch.utils.tensorboard import SummaryWriter
     with SummaryWriter(str(cfg.tensorboard_dir) + "-bench") as writer:
         for r in results:

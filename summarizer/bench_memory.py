@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+
 import torch
 
 from summarizer import runtime
@@ -36,22 +37,20 @@ def _synthetic_batch(cfg: Config, batch_tokens: int, vocab: int) -> dict:
     g = torch.Generator().manual_seed(0)
     src = torch.randint(4, vocab, (n, s), generator=g)
     tgt = torch.randint(4, vocab, (n, t), generator=g)
-    return {"src_ids": src, "tgt_in": tgt, "tgt_out": tgt, "n_src": n * s, "n_tgt": n * t, "src_ids_dec": src}
+    return {"src_ids": src, "tgt_in": tgt, "tgt_out": tgt, "n_src": n * s, "n_tgt": n * t}
 
 
 def _measure(cfg_dict: dict, variant: str, steps: int, batch_tokens: int) -> dict:
     """Run `steps` steps of one variant; report the peak memory above the post-setup baseline."""
     from summarizer.losses import smoothed_nll
-    from summarizer.model import Seq2Seq
     from summarizer.prepared import read_meta
-    from summarizer.train import to_device
+    from summarizer.train import build, to_device
     cfg = from_dict(cfg_dict)
     rt = runtime.setup(cfg)
     torch.manual_seed(0)
-    vocab = read_meta(cfg.data.dir)["vocab_size"]
-    model = runtime.place_model(Seq2Seq(cfg.model, vocab), rt)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = to_device(_synthetic_batch(cfg, batch_tokens, vocab), rt)
+    meta = read_meta(cfg.data.dir)
+    model, optimizer = build(cfg, rt, meta)[:2]
+    batch = to_device(_synthetic_batch(cfg, batch_tokens, meta["vocab_size"]), rt)
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
     base = peak_memory_mb(rt.device) if rt.device.type == "cuda" else current_memory_mb(rt.device)
@@ -60,18 +59,18 @@ def _measure(cfg_dict: dict, variant: str, steps: int, batch_tokens: int) -> dic
         if variant == "eval_tensor":  # evaluation with autograd on, summing loss tensors
             with rt.compute():
                 out = model(batch["src_ids"], batch["tgt_in"])
-            kept.append(smoothed_nll(out, batch["tgt_out"], batch["src_ids_dec"], 0.0)[0])  # keeps its graph
+            kept.append(smoothed_nll(out, batch["tgt_out"], batch["src_ids"], 0.0)[0])  # keeps its graph
             del out
             continue
         if variant == "eval_item":  # evaluation as evaluate_loss does it
             with torch.inference_mode(), rt.compute():
                 out = model(batch["src_ids"], batch["tgt_in"])
-                total += smoothed_nll(out, batch["tgt_out"], batch["src_ids_dec"], 0.0)[1].item()
+                total += smoothed_nll(out, batch["tgt_out"], batch["src_ids"], 0.0)[1].item()
             del out
             continue
         with rt.compute():
             out = model(batch["src_ids"], batch["tgt_in"])
-        loss, _ = smoothed_nll(out, batch["tgt_out"], batch["src_ids_dec"], 0.1)
+        loss, _ = smoothed_nll(out, batch["tgt_out"], batch["src_ids"], 0.1)
         (loss / batch["n_tgt"]).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import random
 from pathlib import Path
@@ -10,9 +9,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from summarizer.config import from_dict
 from summarizer.errors import CheckpointError, DataError
+from summarizer.model import Seq2Seq
+from summarizer.outputs import atomic_open, atomic_write
 
-FORMAT_VERSION = 1
+# 2: configs carry the recipe's defaults (relu, no biases, ...) and the best score is named. A
+# checkpoint stores its whole config, so no older default needs keeping; older files are refused.
+FORMAT_VERSION = 2
 LATEST, BEST = "latest.json", "best.pt"
 
 
@@ -40,20 +44,12 @@ def _as_python_state(state):
     return tuple(tuple(x) if isinstance(x, list) else x for x in state)
 
 
-def _atomic_write_bytes(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half
-
-
 def save(state: dict, path: Path) -> None:
     """Write `state` (a dict of state_dicts and plain values) to path, atomically."""
     state = {"format_version": FORMAT_VERSION, **state}
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write_bytes(path, lambda fh: torch.save(state, fh))
+    with atomic_open(path) as fh:
+        torch.save(state, fh)
 
 
 def load(path: str | Path, map_location="cpu") -> dict:
@@ -69,9 +65,18 @@ def load(path: str | Path, map_location="cpu") -> dict:
                               f"{str(exc).splitlines()[0][:200]}); delete it to fall back to an older one") from None
     version = state.get("format_version") if isinstance(state, dict) else None
     if version != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has format version {version}, this code reads "
-                              f"{FORMAT_VERSION}; use the release that wrote it")
+        raise CheckpointError(f"checkpoint {path} has format version {version}, but this code reads version "
+                              f"{FORMAT_VERSION}; evaluate it with the release that wrote it (its manifest.json "
+                              f"names the git commit), or train a new run with this one")
     return state
+
+
+def restore_model(state: dict) -> Seq2Seq:
+    """The model a checkpoint describes, built from its own config and vocabulary (never the current
+    config's), with its weights, on the CPU: every path that loads weights builds the model here."""
+    model = Seq2Seq(from_dict(state["config"]).model, state["data_meta"]["vocab_size"])
+    model.load_state_dict(state["model"])
+    return model
 
 
 def step_path(run_dir: Path, step: int) -> Path:
@@ -82,8 +87,7 @@ def save_step(state: dict, run_dir: Path, keep_last: int) -> Path:
     """Save a step checkpoint, point `latest` at it, then prune all but the newest `keep_last`."""
     path = step_path(run_dir, state["step"])
     save(state, path)
-    pointer = json.dumps({"checkpoint": path.name, "step": state["step"]}).encode()
-    _atomic_write_bytes(run_dir / LATEST, lambda fh: fh.write(pointer))
+    atomic_write(run_dir / LATEST, json.dumps({"checkpoint": path.name, "step": state["step"]}))
     for old in sorted(run_dir.glob("ckpt_*.pt"))[:-max(keep_last, 1)]:
         old.unlink(missing_ok=True)
     return path

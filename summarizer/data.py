@@ -29,7 +29,7 @@ class PairDataset(Dataset):
         self.tgt_lens = np.minimum(np.diff(tgt_offsets), max_target_len).astype(np.int64) + 1
 
     @classmethod
-    def from_dir(cls, data_dir: str | Path, split: str, cfg: DataConfig, limit: int = 0) -> "PairDataset":
+    def from_dir(cls, data_dir: str | Path, split: str, cfg: DataConfig, limit: int = 0) -> PairDataset:
         src, src_offsets, tgt, tgt_offsets = load_split(data_dir, split)
         if limit > 0:  # the first `limit` pairs: offsets are cut, the flat arrays stay mapped as they are
             src_offsets, tgt_offsets = src_offsets[:limit + 1], tgt_offsets[:limit + 1]
@@ -131,9 +131,8 @@ class TokenBatchSampler(Sampler[list[int]]):
             return self._plan[1]
         # Sort by target length, then source length. Targets take few distinct lengths, so each run
         # of equal targets still sorts its sources tightly; and a padded target position costs far
-        # more than a source one (decoder layers plus the vocabulary projection and loss). On the
-        # Gigaword sample this leaves 0.6% target / 15% source padding, against 32% / 0.7% the
-        # other way round, and 30% fewer padded target positions.
+        # more than a source one (decoder layers plus the vocabulary projection and loss); README,
+        # "pools sorted by target then source length".
         by_length = lambda idx: idx[np.lexsort((self.src_lens[idx], self.tgt_lens[idx]))]  # noqa: E731
         if self.shuffle:
             rng = np.random.default_rng([self.seed, epoch])

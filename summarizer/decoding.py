@@ -1,10 +1,18 @@
-"""Batched greedy and beam search as free functions over a model's `encode`/`decode`, with the KV cache."""
+"""Batched greedy and beam search as free functions over a model's `encode`/`decode`, with the KV cache;
+`decode_all`, the one entry point every decode in the product goes through."""
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
-from summarizer.model import reorder_cache
+from summarizer import runtime
+from summarizer.config import EvalConfig
+from summarizer.data import pad_sources
 from summarizer.tokenizer import BOS, EOS, PAD
 
 
@@ -23,7 +31,8 @@ def _block_repeats(log_probs: Tensor, prefixes: Tensor, n: int) -> Tensor:
     return log_probs
 
 
-def _constrain(log_probs: Tensor, step: int, prefixes: Tensor, min_len: int, max_len: int, no_repeat_ngram: int) -> Tensor:
+def _constrain(log_probs: Tensor, step: int, prefixes: Tensor, min_len: int, max_len: int,
+               no_repeat_ngram: int) -> Tensor:
     """Rules both decoders apply to a step's (N, V) scores: never PAD or BOS; no EOS before min_len;
     only EOS once max_len tokens exist; no repeated n-gram."""
     log_probs = log_probs.clone()
@@ -108,17 +117,37 @@ def beam_search(model, src_ids: Tensor, beam_size: int = 4, max_len: int = 30, m
         done = torch.tensor([len(f) >= k for f in finished], device=device)
         scores = scores.masked_fill(done[:, None], float("-inf"))  # finished sentences stop competing
         if cache is not None:
-            cache = reorder_cache(cache, source_rows.to(_cache_device(cache)))
+            cache = model.reorder_cache(cache, source_rows)
     return [max(f, key=lambda item: item[0])[1] if f else [] for f in finished]
 
 
-def _cache_device(cache: dict) -> torch.device:
-    return cache["memory_kv"][0][0].device
-
-
-def decode_batch(model, src_ids: Tensor, beam_size: int, **kwargs) -> list[list[int]]:
+def decode_batch(model, src_ids: Tensor, settings: EvalConfig, use_cache: bool = True) -> list[list[int]]:
     """Greedy for beam 1 (cheaper bookkeeping), beam search otherwise."""
-    if beam_size == 1:
-        kwargs.pop("length_penalty", None)
-        return greedy(model, src_ids, **kwargs)
-    return beam_search(model, src_ids, beam_size, **kwargs)
+    common = dict(max_len=settings.max_len, min_len=settings.min_len, no_repeat_ngram=settings.no_repeat_ngram,
+                  use_cache=use_cache)
+    if settings.beam_size == 1:
+        return greedy(model, src_ids, **common)
+    return beam_search(model, src_ids, settings.beam_size, length_penalty=settings.length_penalty, **common)
+
+
+def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt: runtime.Runtime,
+               desc: str = "", use_cache: bool = True) -> list[list[int]]:
+    """Source id sequences -> hypothesis id lists, in input order, decoded as `settings` (the eval section) says.
+
+    Sources are sorted by length so batches pad little, decoded `settings.batch_size` at a time with
+    dropout off and under inference_mode (so no RNG stream is drawn from), and put back in input
+    order. `desc` names a progress bar, shown only when stderr is a terminal. `use_cache=False`
+    recomputes every prefix from scratch (the reference the KV cache is tested and benched against).
+    """
+    model = runtime.unwrap(model)
+    order = np.argsort([len(s) for s in sources], kind="stable")
+    hyps: list = [None] * len(sources)
+    batches = range(0, len(order), settings.batch_size)
+    with runtime.eval_mode(model), torch.inference_mode():
+        for start in tqdm(batches, desc=desc, unit="batch", file=sys.stderr, disable=None if desc else True):
+            idx = order[start:start + settings.batch_size]
+            src = runtime.move(pad_sources([sources[i] for i in idx]), rt.device)
+            with rt.compute():
+                for i, hyp in zip(idx, decode_batch(model, src, settings, use_cache), strict=True):
+                    hyps[i] = hyp
+    return hyps

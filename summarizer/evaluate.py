@@ -10,16 +10,15 @@ from pathlib import Path
 import numpy as np
 import torch
 from rouge_score import rouge_scorer, scoring
-from tqdm import tqdm
 
 from summarizer import checkpoint, runtime
-from summarizer.config import Config, ModelConfig
-from summarizer.data import pad_sources
-from summarizer.decoding import decode_batch
+from summarizer.config import Config
+from summarizer.decoding import decode_all
 from summarizer.errors import DataError
-from summarizer.model import Seq2Seq
+from summarizer.outputs import atomic_write
+from summarizer.placement import place_model
 from summarizer.prepared import load_split, open_tokenizer, read_meta, read_pairs
-from summarizer.runtime import Runtime, move
+from summarizer.runtime import Runtime
 from summarizer.tokenizer import Tokenizer, normalize
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
@@ -31,32 +30,18 @@ def unify_unk(text: str) -> str:
     return _UNK.sub("unk", text)
 
 
-def load_model(cfg: Config, rt: Runtime, meta: dict) -> tuple[torch.nn.Module, dict]:
-    """The checkpoint's own model (its config, not the current one), placed, in eval mode."""
-    path = Path(cfg.eval.checkpoint) if cfg.eval.checkpoint else cfg.run_dir / checkpoint.BEST
+def load_model(path: str | Path, rt: Runtime, meta: dict) -> tuple[torch.nn.Module, dict]:
+    """The checkpoint's own model (its config, not the current one), placed, in eval mode; refused if
+    `meta` (the data it will read) has another tokenizer."""
     state = checkpoint.load(path)
     checkpoint.check_tokenizer(state["data_meta"], meta, f"checkpoint {path}")
-    model = Seq2Seq(ModelConfig(**state["config"]["model"]), state["data_meta"]["vocab_size"])
-    model.load_state_dict(state["model"])
-    model = runtime.place_model(model, rt).eval()
+    model = place_model(checkpoint.restore_model(state), rt).eval()
     return model, {"path": str(path), "step": state["step"]}
 
 
-def decode_texts(model, rt: Runtime, sources: list[list[int]], cfg: Config, desc: str) -> tuple[list, float]:
-    """Token id lists -> hypothesis id lists in input order; sorted by length so batches pad little."""
-    e = cfg.eval
-    order = np.argsort([len(s) for s in sources], kind="stable")
-    hyps: list = [None] * len(sources)
-    started = time.perf_counter()
-    for start in tqdm(range(0, len(order), e.batch_size), desc=desc, unit="batch", file=sys.stderr):
-        idx = order[start:start + e.batch_size]
-        src = pad_sources([sources[i] for i in idx])
-        with rt.compute():
-            out = decode_batch(runtime.decoding_model(model), move(src, rt.device), e.beam_size, max_len=e.max_len,
-                               min_len=e.min_len, length_penalty=e.length_penalty, no_repeat_ngram=e.no_repeat_ngram)
-        for i, h in zip(idx, out):
-            hyps[i] = h
-    return hyps, time.perf_counter() - started
+def eval_checkpoint(cfg: Config) -> Path:
+    """`eval.checkpoint`, or the run's best."""
+    return Path(cfg.eval.checkpoint) if cfg.eval.checkpoint else cfg.run_dir / checkpoint.BEST
 
 
 def rouge_report(predictions: list[str], references: list[list[str]], samples: int, seed: int = 0) -> dict:
@@ -64,7 +49,7 @@ def rouge_report(predictions: list[str], references: list[list[str]], samples: i
     (`samples` resamples; 0 = no interval)."""
     scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
     per_pair = [scorer.score_multi([unify_unk(r) for r in refs], unify_unk(pred))
-                for pred, refs in zip(predictions, references)]
+                for pred, refs in zip(predictions, references, strict=True)]
     bounds = None
     if samples > 0:
         np.random.seed(seed)  # BootstrapAggregator resamples with numpy's global RNG
@@ -90,13 +75,15 @@ def evaluate(cfg: Config) -> dict:
         raise DataError(f"split '{cfg.eval.split}' was not prepared in {cfg.data.dir} (prepared: "
                         f"{', '.join(meta['splits'])}); map it in data.splits and re-run prep, or set eval.split")
     tokenizer = open_tokenizer(cfg.data.dir)
-    model, source = load_model(cfg, rt, meta)
+    model, source = load_model(eval_checkpoint(cfg), rt, meta)
     pairs = read_pairs(cfg.data.dir, cfg.eval.split)
     arrays = load_split(cfg.data.dir, cfg.eval.split)
     n = min(len(pairs), cfg.eval.limit) if cfg.eval.limit else len(pairs)
     sources = [arrays.src[arrays.src_offsets[i]:arrays.src_offsets[i + 1]][:cfg.data.max_source_len].tolist()
                for i in range(n)]
-    hyps, seconds = decode_texts(model, rt, sources, cfg, f"decode {cfg.eval.split}")
+    started = time.perf_counter()
+    hyps = decode_all(model, sources, cfg.eval, rt, f"decode {cfg.eval.split}")
+    seconds = time.perf_counter() - started
     predictions = [tokenizer.decode(h) for h in hyps]
     references = [p.get("references") or [p["target"]] for p in pairs[:n]]
     report = rouge_report(predictions, references, cfg.eval.bootstrap_samples)
@@ -113,8 +100,8 @@ def evaluate(cfg: Config) -> dict:
     report["sentences_per_s"] = n / seconds
     out_dir = Path(cfg.eval.out_dir) if cfg.eval.out_dir else cfg.run_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "predictions.txt").write_text("".join(p.replace("\n", " ") + "\n" for p in predictions))
-    (out_dir / "rouge.json").write_text(json.dumps(report, indent=2))
+    atomic_write(out_dir / "predictions.txt", "".join(p.replace("\n", " ") + "\n" for p in predictions))
+    atomic_write(out_dir / "rouge.json", json.dumps(report, indent=2))
     lead = " ".join(f"{k} R1 {v['rouge1']:.1f}" for k, v in report["lead"].items())
     print(f"{cfg.eval.split} ({n} pairs, beam {cfg.eval.beam_size}): ROUGE-1/2/L F "
           f"{report['rouge1']['f']:.2f}/{report['rouge2']['f']:.2f}/{report['rougeL']['f']:.2f}; {lead}; "
@@ -127,14 +114,14 @@ def summarize_stream(cfg: Config, stdin, stdout, batch_lines: int = 256) -> None
     rt = runtime.setup(cfg)
     meta = read_meta(cfg.data.dir)
     tokenizer: Tokenizer = open_tokenizer(cfg.data.dir)
-    model, _ = load_model(cfg, rt, meta)
+    model, _ = load_model(eval_checkpoint(cfg), rt, meta)
     norm = meta["normalization"]
     lines = [line.rstrip("\n") for line in stdin]
     for start in range(0, len(lines), batch_lines):
         chunk = lines[start:start + batch_lines]
         sources = [tokenizer.encode(normalize(text, norm["lowercase"], norm["mask_digits"]))[:cfg.data.max_source_len]
                    for text in chunk]
-        hyps, _ = decode_texts(model, rt, sources, cfg, "summarize")
-        for text, h in zip(chunk, hyps):
+        hyps = decode_all(model, sources, cfg.eval, rt, "summarize")
+        for text, h in zip(chunk, hyps, strict=True):
             stdout.write((tokenizer.decode(h) if text.strip() else "") + "\n")
         stdout.flush()

@@ -6,7 +6,6 @@ from torch import Tensor
 
 from summarizer.model import PAD_ID, DecoderOutput
 
-
 CHUNK_ELEMENTS = 1 << 20  # CPU: rows of logits processed together, ~4 MB in float32 (stays in cache)
 
 
@@ -66,8 +65,10 @@ def smoothed_nll(out: DecoderOutput, target: Tensor, src_ids: Tensor, smoothing:
     p(y) = g * exp(logit_y - lse) + (1 - g) * sum_{s: src_s = y} attn_s. Label smoothing (Szegedy
     et al. 2016) uses -mean_v log p_vocab(v) = lse - mean(logits): exact for the plain model, and
     for the copy model it smooths the generator's distribution. Sums, not means: the training step
-    divides by the tokens of the whole accumulated, all-rank batch.
+    divides by the tokens of the whole accumulated, all-rank batch. The loss runs where the logits
+    are (the decoder's device when the model is split); ids move there, a no-op otherwise.
     """
+    target = target.to(out.logits.device)
     mask = target != PAD_ID  # (B, T)
     b, t, v = out.logits.shape
     stats = VocabStats.apply if fused else vocab_stats_autograd
@@ -75,6 +76,7 @@ def smoothed_nll(out: DecoderOutput, target: Tensor, src_ids: Tensor, smoothing:
     if out.copy_attn is None:
         nll = lse - target_logit
     else:
+        src_ids = src_ids.to(out.logits.device)
         copied = (out.copy_attn * (src_ids[:, None, :] == target[:, :, None])).sum(-1)  # (B, T)
         gate = out.gate.squeeze(-1)
         p_target = gate * torch.exp(target_logit - lse) + (1.0 - gate) * copied

@@ -61,8 +61,9 @@ def attention_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_
     """softmax(q k^T / sqrt(d) + bias) v as two batched matmuls, the mask folded into the first.
 
     (B, H, Lq, d) queries, (B, H, Lk, d) keys/values, mask (B, 1, 1, Lk) True where allowed ->
-    (B, H, Lq, d). At sentence lengths on CPU this is 2-2.5x faster forward+backward than SDPA's
-    math kernel, which spends most of its time on mask conversion and fully-masked-row checks.
+    (B, H, Lq, d). At sentence lengths on CPU this beats SDPA's math kernel forward and backward: that
+    kernel spends most of its time on mask conversion and fully-masked-row checks (bench row
+    "attention_kernel").
     """
     b, h, lq, d = q.shape
     lk = k.shape[2]
@@ -271,15 +272,15 @@ class Seq2Seq(nn.Module):
         """(B, S) source ids, (B, T) target prefix ids -> logits (B, T, V) [+ copy attention, gate]."""
         return self.decoder_output(tgt_in, self.encode(src_ids), src_ids)
 
-
-def reorder_cache(cache: dict, index: Tensor) -> dict:
-    """Select batch rows of every cached tensor (beam search reordering)."""
-    out: dict = {"length": cache["length"]}
-    out["memory_kv"] = [(k.index_select(0, index), v.index_select(0, index)) for k, v in cache["memory_kv"]]
-    for key, value in cache.items():
-        if key not in out:
-            out[key] = value.index_select(0, index)
-    return out
+    @staticmethod
+    def reorder_cache(cache: dict, index: Tensor) -> dict:
+        """Select batch rows of every cached tensor (beam search reordering)."""
+        out: dict = {"length": cache["length"]}
+        out["memory_kv"] = [(k.index_select(0, index), v.index_select(0, index)) for k, v in cache["memory_kv"]]
+        for key, value in cache.items():
+            if key not in out:
+                out[key] = value.index_select(0, index)
+        return out
 
 
 def count_parameters(model: nn.Module) -> int:

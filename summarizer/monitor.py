@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from summarizer.config import Config, to_dict
+from summarizer.outputs import atomic_write
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -67,15 +68,19 @@ def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], prec
         "data": {k: data_meta.get(k) for k in ("spm_sha256", "fingerprint", "vocab_size", "splits")},
         "config": to_dict(cfg),
     }
-    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+    atomic_write(run_dir / "manifest.json", json.dumps(manifest, indent=2, default=str))
     return manifest
 
 
 class Monitor:
-    """Rank 0 writes; other ranks hold a Monitor that does nothing, so the loop has no `if rank` noise."""
+    """Rank 0 writes; other ranks hold a Monitor that does nothing, so the loop has no `if rank` noise.
+
+    On a terminal, progress is a bar; when stderr is a file or pipe (`make train > log 2>&1`, Slurm,
+    CI), a bar would write a carriage-return line per update, so each log interval prints one line.
+    """
 
     def __init__(self, cfg: Config, active: bool, start_step: int, total_steps: int):
-        self.active = active
+        self.active, self.total_steps = active, total_steps
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
         self.writer = None
         self.bar = None
@@ -85,8 +90,9 @@ class Monitor:
         from torch.utils.tensorboard import SummaryWriter
         # purge_step drops events a killed run wrote after its last checkpoint, so curves do not fold back.
         self.writer = SummaryWriter(str(cfg.tensorboard_dir), purge_step=start_step + 1 if start_step else None)
-        self.bar = tqdm(total=total_steps, initial=start_step, desc=f"train {cfg.run.name}", unit="step",
-                        dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
+        if sys.stderr.isatty():
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=f"train {cfg.run.name}", unit="step",
+                            dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
 
     def log(self, step: int, split: str, values: dict) -> None:
         if not self.active:
@@ -99,6 +105,8 @@ class Monitor:
                 self.writer.add_scalar(f"{split}/{key}", value, step)
         if split == "train" and self.bar is not None:
             self.bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{values['tokens_per_s']:.0f}")
+        elif self.bar is None:
+            print(log_line(step, self.total_steps, split, record), file=sys.stderr, flush=True)
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.active:
@@ -110,7 +118,7 @@ class Monitor:
 
     def write(self, message: str) -> None:
         if self.active:
-            (self.bar.write if self.bar is not None else print)(message)
+            (self.bar.write if self.bar is not None else print)(message, file=sys.stderr)
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
         if self.active:
@@ -124,6 +132,14 @@ class Monitor:
             self.writer.close()
 
 
+def log_line(step: int, total: int, split: str, record: dict) -> str:
+    """One line of a log interval, for logs written to files: `step 50/3000 train loss 6.448 lr 1.2e-04 ...`."""
+    formats = {"loss": ".4f", "lr": ".3g", "grad_norm": ".3f", "tokens_per_s": ".0f", "rouge1": ".2f",
+               "rouge2": ".2f", "rougeL": ".2f", "ppl": ".2f", "data_wait": ".1%", "peak_memory_mb": ".0f"}
+    parts = [f"{key} {record[key]:{fmt}}" for key, fmt in formats.items() if isinstance(record.get(key), (int, float))]
+    return f"step {step}/{total} {split} " + " ".join(parts)
+
+
 def _plain(value):
     return round(value, 6) if isinstance(value, float) else value
 
@@ -134,9 +150,7 @@ def _truncate_metrics(path: Path, start_step: int) -> None:
         return
     keep = [line for line in path.read_text().splitlines()
             if line.strip() and json.loads(line)["step"] <= start_step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(line + "\n" for line in keep))
 
 
 def flatten(cfg: Config) -> dict:
@@ -152,31 +166,31 @@ class Window:
     """Sums between two log points, kept as device tensors so logging costs one sync per interval;
     under DDP every rank calls `summary` at the same step and the sums are all-reduced there."""
 
-    def __init__(self, rt):
-        self.rt, self.device = rt, rt.decoder_device
+    def __init__(self, rt, clock=time.perf_counter):
+        self.rt, self.device, self.clock = rt, rt.device, clock
         self.reset()
 
     def reset(self) -> None:
-        self.steps, self.data_s, self.skipped = 0, 0.0, 0
-        self.sums = torch.zeros(3, device=self.device)  # nll / global tokens, loss / global tokens, tokens
-        self.started = time.perf_counter()
+        self.steps, self.data_s, self.skipped, self.tokens = 0, 0.0, 0, 0
+        self.sums = torch.zeros(2, device=self.device)  # nll / global tokens, loss / global tokens
+        self.started = self.clock()
 
     def add(self, out: dict, micro_batches: list[dict], data_s: float) -> None:
         self.steps += 1
         self.data_s += data_s
         self.skipped += not out["finite"]
-        tokens = sum(b["n_src"] + b["n_tgt"] for b in micro_batches)
-        self.sums += torch.stack([out["nll_sum"] / out["tokens"], out["loss_sum"] / out["tokens"],
-                                  torch.tensor(float(tokens), device=self.device)])
+        self.tokens += sum(b["n_src"] + b["n_tgt"] for b in micro_batches)
+        self.sums += torch.stack([out["nll_sum"], out["loss_sum"]]).to(self.device) / out["tokens"]
 
     def summary(self, lr: float, grad_norm: torch.Tensor) -> dict:
         from summarizer.runtime import all_reduce_sum
-        nll, loss, tokens = all_reduce_sum(self.sums, self.rt).tolist()  # the one host sync
-        seconds = time.perf_counter() - self.started
+        sums = torch.cat([self.sums, torch.tensor([float(self.tokens)], device=self.device)])
+        nll, loss, tokens = all_reduce_sum(sums, self.rt).tolist()  # the one host sync
+        seconds = self.clock() - self.started
         steps = max(self.steps, 1)
         return {"loss": nll / steps, "smoothed_loss": loss / steps, "lr": lr, "grad_norm": grad_norm.item(),
                 "tokens_per_s": tokens / seconds, "step_s": seconds / steps, "data_wait": self.data_s / seconds,
-                "skipped_steps": self.skipped, "peak_memory_mb": peak_memory_mb(self.device)}
+                "skipped_steps": self.skipped, "peak_memory_mb": max(peak_memory_mb(d) for d in self.rt.devices)}
 
 
 class Profiler:

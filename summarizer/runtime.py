@@ -1,4 +1,4 @@
-"""Where and how the model runs: device, seeding, determinism, precision, DDP and model-parallel placement."""
+"""Where and how the model runs: devices, seeding, determinism, precision, DDP (placement: summarizer/placement.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +20,8 @@ from summarizer.model import explicit_attention
 
 @dataclass
 class Runtime:
-    device: torch.device  # inputs go here (the encoder's device)
-    decoder_device: torch.device  # == device unless the model is split
+    device: torch.device  # inputs go here (the encoder's device); collectives run here
+    decoder_device: torch.device  # == device unless the model is split (only placement and precision read it)
     precision: str  # resolved: fp32 | bf16 | fp16
     rank: int = 0
     world_size: int = 1
@@ -34,6 +34,11 @@ class Runtime:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Every device the model occupies (two when it is split)."""
+        return list(dict.fromkeys([self.device, self.decoder_device]))
 
     sdpa_backend: str = "auto"
 
@@ -135,11 +140,11 @@ def init_worker(worker_id: int) -> None:
 def set_cpu_kernel_cache(capacity: int) -> None:
     """Keep up to `capacity` compiled CPU kernels (oneDNN's primitive cache; 0 = its default, 1024).
 
-    oneDNN compiles a matmul kernel for every distinct shape: about 1 ms, several times the
-    matmul itself at these sizes. A length-bucketed epoch has hundreds of batch shapes at ~50
-    kernels each; a cache smaller than that evicts every kernel before its shape returns, and a
-    CPU step spends ~13% of its time compiling. oneDNN reads the capacity once, at its first
-    kernel: this must run before the process's first matmul (setup does, first).
+    oneDNN compiles a matmul kernel for every distinct shape, which at these sizes costs more than
+    the matmul itself. A length-bucketed epoch has hundreds of batch shapes with dozens of kernels
+    each; a cache smaller than that evicts every kernel before its shape returns, and every step
+    recompiles (README, bench rows "kernel_cache" and "pad_multiple"). oneDNN reads the capacity
+    once, at its first kernel: this must run before the process's first matmul (setup does, first).
     """
     if capacity > 0:
         os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(capacity)
@@ -148,8 +153,8 @@ def set_cpu_kernel_cache(capacity: int) -> None:
 def setup(cfg: Config) -> Runtime:
     """Initialise the process group when launched by torchrun, pick devices and precision."""
     # Denormal floats (below 1.2e-38) take a slow microcode path on x86: as the model grows
-    # confident, exp() in the vocabulary softmax produces them by the million and a CPU step
-    # slows by up to a third. FTZ/DAZ treats them as zero. The flag is per thread and OpenMP's
+    # confident, exp() in the vocabulary softmax produces them by the million and CPU steps slow
+    # down (README, "denormals flushed"). FTZ/DAZ treats them as zero. The flag is per thread and OpenMP's
     # pool copies it when created, so this must run before the first parallel op: first here.
     torch.set_flush_denormal(cfg.train.flush_denormal)
     set_cpu_kernel_cache(cfg.train.cpu_kernel_cache)
@@ -204,60 +209,6 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-class PlacedSeq2Seq(nn.Module):
-    """Model parallel: encoder layers on one device, embedding and decoder on another.
-
-    The one shared embedding (source, target and output projection) lives with the decoder, where
-    two of its three uses are: source ids are embedded there and the embeddings hop to the encoder
-    device, so a single Parameter gets every gradient and no copy has to be kept in sync. The
-    memory hops back for cross-attention. Autograd carries gradients across `.to()` both ways.
-    With `chunks > 1` the batch is split in micro-batches and, because CUDA launches are
-    asynchronous, the encoder of chunk i+1 runs while the decoder of chunk i does (GPipe-style).
-    """
-
-    def __init__(self, model: nn.Module, encoder_device: torch.device, decoder_device: torch.device,
-                 chunks: int = 1):
-        super().__init__()
-        self.inner, self.enc_dev, self.dec_dev, self.chunks = model, encoder_device, decoder_device, chunks
-        model.to(decoder_device)
-        model.encoder_layers.to(encoder_device)
-        model.encoder_norm.to(encoder_device)
-
-    def encode(self, src_ids: Tensor) -> Tensor:
-        src_dec = move(src_ids, self.dec_dev)
-        x = move(self.inner.embed(src_dec), self.enc_dev)  # (B, S, D) on the encoder device
-        memory = self.inner.run_encoder(x, self.inner.source_mask(move(src_ids, self.enc_dev)))
-        return move(memory, self.dec_dev)
-
-    def decoder_output(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None = None):
-        return self.inner.decoder_output(move(tgt_in, self.dec_dev), move(memory, self.dec_dev),
-                                         move(src_ids, self.dec_dev), cache)
-
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None = None) -> Tensor:
-        src_dec = move(src_ids, self.dec_dev)
-        return self.inner.log_probs(self.decoder_output(tgt_in, memory, src_dec, cache), src_dec)
-
-    def forward(self, src_ids: Tensor, tgt_in: Tensor):
-        if self.chunks <= 1:
-            return self.decoder_output(tgt_in, self.encode(src_ids), src_ids)
-        src_chunks, tgt_chunks = src_ids.chunk(self.chunks), tgt_in.chunk(self.chunks)
-        memories = [self.encode(src_chunks[0])]
-        outputs = []
-        for i in range(len(src_chunks)):
-            if i + 1 < len(src_chunks):  # queue the next encoder chunk before this decoder chunk
-                memories.append(self.encode(src_chunks[i + 1]))
-            outputs.append(self.decoder_output(tgt_chunks[i], memories[i], src_chunks[i]))
-        # Chunks share T but not S (each is padded to the whole batch's S already, so S matches too).
-        return type(outputs[0])(*(None if parts[0] is None else torch.cat(parts, dim=0)
-                                  for parts in zip(*outputs)))
-
-
-def place_model(model: nn.Module, rt: Runtime, chunks: int = 1) -> nn.Module:
-    if rt.device != rt.decoder_device:
-        return PlacedSeq2Seq(model, rt.device, rt.decoder_device, chunks)
-    return model.to(rt.device)
-
-
 def wrap_ddp(model: nn.Module, rt: Runtime) -> nn.Module:
     if not rt.distributed:
         return model
@@ -271,23 +222,22 @@ def wrap_ddp(model: nn.Module, rt: Runtime) -> nn.Module:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The pure Seq2Seq inside any DDP / placement / compile wrappers (what checkpoints store)."""
-    while True:
-        if hasattr(model, "module"):
-            model = model.module
-        elif isinstance(model, PlacedSeq2Seq):
-            model = model.inner
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
-
-
-def decoding_model(model: nn.Module) -> nn.Module:
-    """The module decoding calls `encode`/`decode` on: the placement wrapper if any, never DDP."""
+    """The model inside DDP and torch.compile wrappers: what decoding calls `encode`/`decode` on and
+    checkpoints take the state dict of (a placed model's state dict is its inner model's)."""
     while hasattr(model, "module") or hasattr(model, "_orig_mod"):
         model = getattr(model, "module", None) or model._orig_mod
     return model
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """Dropout off (so nothing draws from the training RNG streams) for the block; the mode it had, after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 def make_scaler(rt: Runtime) -> torch.amp.GradScaler:

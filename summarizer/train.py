@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import signal
 import time
@@ -14,13 +15,14 @@ from torch.utils.data import DataLoader
 
 from summarizer import checkpoint, runtime
 from summarizer.config import Config, TrainConfig, save_config, to_dict
-from summarizer.data import PairDataset, TokenBatchSampler, make_loader, pad_sources
-from summarizer.decoding import greedy
+from summarizer.data import PairDataset, TokenBatchSampler, make_loader
+from summarizer.decoding import decode_all
 from summarizer.errors import UserError
 from summarizer.losses import smoothed_nll
 from summarizer.model import Seq2Seq, count_parameters
 from summarizer.monitor import Monitor, Profiler, Window, flatten, memory_report, write_manifest
 from summarizer.optim import build_optimizer, build_scheduler
+from summarizer.placement import place_model
 from summarizer.prepared import open_tokenizer, read_meta, valid_split
 from summarizer.runtime import Runtime, move
 from summarizer.tokenizer import Tokenizer
@@ -31,12 +33,8 @@ class TrainingAborted(UserError):
 
 
 def to_device(batch: dict, rt: Runtime) -> dict:
-    """Source ids to the encoder's device, targets to the decoder's; non-blocking from pinned memory."""
-    src_ids = move(batch["src_ids"], rt.device)
-    return {"src_ids": src_ids, "tgt_in": move(batch["tgt_in"], rt.decoder_device),
-            "tgt_out": move(batch["tgt_out"], rt.decoder_device), "n_src": batch["n_src"], "n_tgt": batch["n_tgt"],
-            # the copy loss compares source and target ids where the decoder is
-            "src_ids_dec": src_ids if rt.device == rt.decoder_device else move(batch["src_ids"], rt.decoder_device)}
+    """Id tensors to the run's input device (non-blocking from pinned memory); token counts stay ints."""
+    return {key: move(value, rt.device) if torch.is_tensor(value) else value for key, value in batch.items()}
 
 
 def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], rt: Runtime,
@@ -45,19 +43,18 @@ def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], r
     except the single finiteness check of the gradient norm."""
     total = sum(b["n_tgt"] for b in micro_batches)
     if rt.distributed:  # every rank divides by the global token count, so DDP's mean is the exact mean
-        total = int(runtime.all_reduce_sum(torch.tensor(total, device=rt.decoder_device), rt))
-    loss_sum = torch.zeros((), device=rt.decoder_device)
-    nll_sum = torch.zeros((), device=rt.decoder_device)
+        total = int(runtime.all_reduce_sum(torch.tensor(total, device=rt.device), rt))
+    losses, nlls = [], []
     for i, batch in enumerate(micro_batches):
         # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
         sync = rt.distributed and i < len(micro_batches) - 1
         with model.no_sync() if sync else contextlib.nullcontext():
             with rt.compute():
                 out = model(batch["src_ids"], batch["tgt_in"])  # logits (B, T, V) [+ copy attention, gate]
-            loss, nll = smoothed_nll(out, batch["tgt_out"], batch["src_ids_dec"], cfg.label_smoothing, cfg.fused_loss)
+            loss, nll = smoothed_nll(out, batch["tgt_out"], batch["src_ids"], cfg.label_smoothing, cfg.fused_loss)
             scaler.scale(loss * (rt.world_size / total)).backward()
-        loss_sum += loss.detach()
-        nll_sum += nll
+        losses.append(loss.detach())
+        nlls.append(nll)
         del out, loss  # drop graph references before the next micro-batch allocates its own
     scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm if cfg.clip_norm > 0 else math.inf)
@@ -69,26 +66,24 @@ def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], r
         optimizer.step()
     optimizer.zero_grad(set_to_none=cfg.set_to_none)
     # Local sums; `tokens` is the global target count they are normalised by (Window all-reduces).
-    return {"loss_sum": loss_sum, "nll_sum": nll_sum, "tokens": total, "grad_norm": grad_norm.detach(),
-            "finite": finite}
+    return {"loss_sum": torch.stack(losses).sum(), "nll_sum": torch.stack(nlls).sum(), "tokens": total,
+            "grad_norm": grad_norm.detach(), "finite": finite}
 
 
 @torch.inference_mode()
 def evaluate_loss(model: nn.Module, loader, rt: Runtime) -> dict:
     """Token-level NLL and perplexity of a split, without dropout or graph building."""
-    was_training = model.training
-    model.eval()
-    nll_sum = torch.zeros((), device=rt.decoder_device, dtype=torch.float64)
-    tokens = 0
-    for batch in loader:
-        batch = to_device(batch, rt)
-        with rt.compute():
-            out = model(batch["src_ids"], batch["tgt_in"])
-        nll_sum += smoothed_nll(out, batch["tgt_out"], batch["src_ids_dec"], 0.0)[1].double()
-        tokens += batch["n_tgt"]
-    totals = runtime.all_reduce_sum(torch.stack([nll_sum, torch.tensor(float(tokens), device=nll_sum.device,
+    nlls, tokens = [], 0
+    with runtime.eval_mode(model):
+        for batch in loader:
+            batch = to_device(batch, rt)
+            with rt.compute():
+                out = model(batch["src_ids"], batch["tgt_in"])
+            nlls.append(smoothed_nll(out, batch["tgt_out"], batch["src_ids"], 0.0)[1].double().to(rt.device))
+            tokens += batch["n_tgt"]
+    nll_sum = torch.stack(nlls).sum() if nlls else torch.zeros((), dtype=torch.float64, device=rt.device)
+    totals = runtime.all_reduce_sum(torch.stack([nll_sum, torch.tensor(float(tokens), device=rt.device,
                                                                        dtype=torch.float64)]), rt)
-    model.train(was_training)
     loss = float(totals[0] / totals[1].clamp_min(1))
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(totals[1])}
 
@@ -120,15 +115,17 @@ class StopFlag:
             signal.signal(sig, handler)
 
 
-def build(cfg: Config, rt: Runtime, meta: dict):
-    """Model, optimizer, scheduler and scaler, placed on their devices (not yet DDP-wrapped)."""
-    model = runtime.place_model(Seq2Seq(cfg.model, meta["vocab_size"]), rt, cfg.placement.pipeline_chunks)
+def build(cfg: Config, rt: Runtime, meta: dict, state: dict | None = None):
+    """Model, optimizer, scheduler and scaler, placed on their devices (not yet DDP-wrapped). The model
+    is fresh from `cfg.model`, or, given a checkpoint's `state`, built from the checkpoint's own config."""
+    model = checkpoint.restore_model(state) if state else Seq2Seq(cfg.model, meta["vocab_size"])
+    model = place_model(model, rt, cfg.placement.pipeline_chunks)
     optimizer = build_optimizer(model, cfg.train)
     return model, optimizer, build_scheduler(optimizer, cfg.train), runtime.make_scaler(rt)
 
 
-def restore(state: dict, model, optimizer, scheduler, scaler) -> dict:
-    runtime.unwrap(model).load_state_dict(state["model"])
+def restore(state: dict, optimizer, scheduler, scaler) -> dict:
+    """Optimizer, schedule, scaler and RNG states of a checkpoint (its model is built by `build`)."""
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
@@ -144,22 +141,20 @@ def snapshot(cfg: Config, meta: dict, model, optimizer, scheduler, scaler, progr
             "data_meta": {k: meta.get(k) for k in ("spm_sha256", "vocab_size", "normalization", "fingerprint")}}
 
 
-def sample_summaries(model, dataset: PairDataset, tokenizer: Tokenizer, rt: Runtime, n: int) -> str:
-    if n <= 0:
-        return ""
-    pairs = [dataset[i] for i in range(min(n, len(dataset)))]
-    src = pad_sources([s for s, _ in pairs])
-    with rt.compute():
-        hyps = greedy(runtime.decoding_model(model), move(src, rt.device), max_len=dataset.max_target_len)
+def sample_summaries(model, dataset: PairDataset, tokenizer: Tokenizer, rt: Runtime, cfg: Config) -> str:
+    """Greedy summaries of the first `train.sample_summaries` valid pairs, as Markdown for TensorBoard."""
+    pairs = [dataset[i] for i in range(min(cfg.train.sample_summaries, len(dataset)))]
+    hyps = decode_all(model, [s for s, _ in pairs], dataclasses.replace(cfg.eval, beam_size=1), rt)
     return "\n\n".join(f"source: {tokenizer.decode(s.tolist())}  \nreference: {tokenizer.decode(t.tolist())}  \n"
-                       f"greedy: {tokenizer.decode(h)}" for (s, t), h in zip(pairs, hyps))
+                       f"greedy: {tokenizer.decode(h)}" for (s, t), h in zip(pairs, hyps, strict=True))
 
 
 def oom_message(exc: BaseException, micro_batches: list[dict], cfg: Config, rt: Runtime, step: int) -> str:
     shapes = ", ".join(f"{tuple(b['src_ids'].shape)}->{tuple(b['tgt_in'].shape)}" for b in micro_batches)
     tokens = sum(b["n_src"] + b["n_tgt"] for b in micro_batches)
     return (f"out of memory at step {step} ({type(exc).__name__}); batch shapes {shapes}, {tokens} tokens; "
-            f"{memory_report(rt.decoder_device)}. Lower data.batch_tokens (now {cfg.data.batch_tokens}) and "
+            f"{'; '.join(memory_report(d) for d in rt.devices)}. "
+            f"Lower data.batch_tokens (now {cfg.data.batch_tokens}) and "
             f"raise train.accum_steps (now {cfg.train.accum_steps}) to keep the same effective batch. "
             f"Checkpoints already written are intact; the run resumes from the latest.")
 
@@ -168,7 +163,7 @@ def _agree(flag: bool, rt: Runtime) -> bool:
     """Every rank stops together, or the others would wait forever in the next all-reduce."""
     if not rt.distributed:
         return flag
-    return bool(runtime.all_reduce_sum(torch.tensor(float(flag), device=rt.decoder_device), rt) > 0)
+    return bool(runtime.all_reduce_sum(torch.tensor(float(flag), device=rt.device), rt) > 0)
 
 
 @dataclass
@@ -200,13 +195,15 @@ def open_session(cfg: Config) -> Session:
     runtime.seed_everything(cfg.train.seed, cfg.train.deterministic)
     meta, tokenizer = read_meta(cfg.data.dir), open_tokenizer(cfg.data.dir)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    model, optimizer, scheduler, scaler = build(cfg, rt, meta)
-    progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
     latest = checkpoint.latest_path(cfg.run_dir)
-    if latest is not None:
-        state = checkpoint.load(latest)
+    state = checkpoint.load(latest) if latest is not None else None
+    if state is not None:
         checkpoint.check_tokenizer(state["data_meta"], meta, f"run {cfg.run_dir}")
-        progress = restore(state, model, optimizer, scheduler, scaler)
+    model, optimizer, scheduler, scaler = build(cfg, rt, meta, state)
+    progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
+    if state is not None:
+        progress = restore(state, optimizer, scheduler, scaler)
+        del state  # the weights now live in the model
     model = runtime.wrap_ddp(model, rt)
     if cfg.train.compile:
         model = torch.compile(model)
@@ -223,7 +220,7 @@ def open_session(cfg: Config) -> Session:
         world_size=rt.world_size, even=False, pad_multiple=cfg.data.pad_multiple), cfg.data, rt.device, cfg.train.seed)
     if rt.is_main:
         save_config(cfg, cfg.run_dir / "config.yaml")
-        write_manifest(cfg, cfg.run_dir, [rt.device, rt.decoder_device], rt.precision, meta, rt.world_size)
+        write_manifest(cfg, cfg.run_dir, rt.devices, rt.precision, meta, rt.world_size)
     monitor = Monitor(cfg, rt.is_main, progress["step"], cfg.train.max_steps)
     monitor.write(f"model {count_parameters(model) / 1e6:.1f}M parameters, precision {rt.precision}, "
                   f"{len(train_ds)} train pairs, {len(valid_ds)} {valid_name} pairs, "
@@ -238,7 +235,7 @@ def train(cfg: Config) -> dict:
     t, rt, progress = cfg.train, s.rt, s.progress
     stop, window, bad_in_row = StopFlag(), Window(rt), 0
     profiler = Profiler(t.profile_steps, cfg.tensorboard_dir / "profile", cfg.run_dir / "profile.txt",
-                        rt.decoder_device.type == "cuda") if t.profile_steps > 0 and rt.is_main else None
+                        any(d.type == "cuda" for d in rt.devices)) if t.profile_steps > 0 and rt.is_main else None
     started = time.perf_counter() - progress["elapsed_s"]
     try:
         while progress["step"] < t.max_steps:
@@ -272,8 +269,8 @@ def train(cfg: Config) -> dict:
                 reason = "signal" if stop.requested else "time limit" if time_up else "early stopping"
                 s.monitor.write(f"stopping at step {progress['step']}: {reason}")
                 break
-        s.monitor.hparams(flatten(cfg), {"hparam/best_valid_loss": progress["best"] or float("nan"),
-                                         "hparam/steps": progress["step"]})
+        best = progress["best"] or {"metric": t.select_by, "value": float("nan")}
+        s.monitor.hparams(flatten(cfg), {f"best/{best['metric']}": best["value"], "hparam/steps": progress["step"]})
     finally:
         stop.restore()
         s.monitor.close()
@@ -304,26 +301,31 @@ def validate(s: Session, extra: dict, rouge: bool) -> bool:
     """Validation loss, ROUGE on a fixed valid subset when due, samples, and best-checkpoint
     bookkeeping by `train.select_by`; True when patience runs out."""
     started = time.perf_counter()
-    metrics = evaluate_loss(runtime.decoding_model(s.model), s.valid_loader, s.rt)
+    metrics = evaluate_loss(runtime.unwrap(s.model), s.valid_loader, s.rt)
     metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
     if rouge:
         # Every rank decodes the same subset deterministically, so all agree on the best without talking.
         metrics.update(valid_rouge(s))
     s.monitor.log(s.progress["step"], "valid", {**metrics, **extra})
     if s.rt.is_main and s.cfg.train.sample_summaries:
-        s.monitor.text("samples", sample_summaries(s.model, s.valid_ds, s.tokenizer, s.rt,
-                                                   s.cfg.train.sample_summaries), s.progress["step"])
-    by_rouge = s.cfg.train.select_by == "rouge"
-    if by_rouge and not rouge:
+        s.monitor.text("samples", sample_summaries(s.model, s.valid_ds, s.tokenizer, s.rt, s.cfg), s.progress["step"])
+    metric = "rouge1" if s.cfg.train.select_by == "rouge" else "loss"
+    if metric not in metrics:
         return False  # the best is judged only where ROUGE was measured
-    score = -metrics["rouge1"] if by_rouge else metrics["loss"]  # lower is better
-    if s.progress["best"] is None or score < s.progress["best"]:
-        s.progress.update(best=score, bad_evals=0)
+    if improves(metric, metrics[metric], s.progress["best"]):
+        s.progress.update(best={"metric": metric, "value": metrics[metric]}, bad_evals=0)
         if s.rt.is_main:
             checkpoint.save(s.snapshot(), s.cfg.run_dir / checkpoint.BEST)
     else:
         s.progress["bad_evals"] += 1
     return bool(s.cfg.train.patience) and s.progress["bad_evals"] >= s.cfg.train.patience
+
+
+def improves(metric: str, value: float, best: dict | None) -> bool:
+    """Is `value` of `metric` better than the best so far? Loss falls, ROUGE rises."""
+    if best is None:
+        return True
+    return value < best["value"] if metric == "loss" else value > best["value"]
 
 
 def valid_rouge(s: Session) -> dict:
@@ -334,15 +336,7 @@ def valid_rouge(s: Session) -> dict:
         s.rouge_refs = [p.get("references") or [p["target"]]
                         for p in read_pairs(s.cfg.data.dir, valid_split(s.meta))[:s.cfg.train.rouge_samples]]
     pairs = s.rouge_refs
-    model = runtime.decoding_model(s.model)
-    was_training = model.training
-    model.eval()
-    hyps = []
-    for start in range(0, len(pairs), s.cfg.eval.batch_size):
-        src = pad_sources([s.valid_ds[i][0] for i in range(start, min(start + s.cfg.eval.batch_size, len(pairs)))])
-        with s.rt.compute():
-            hyps += greedy(model, move(src, s.rt.device), max_len=s.cfg.eval.max_len,
-                           no_repeat_ngram=s.cfg.eval.no_repeat_ngram)
-    model.train(was_training)
+    sources = [s.valid_ds[i][0] for i in range(len(pairs))]
+    hyps = decode_all(s.model, sources, dataclasses.replace(s.cfg.eval, beam_size=1), s.rt)
     report = rouge_report([s.tokenizer.decode(h) for h in hyps], pairs, samples=0)
     return {kind: report[kind]["f"] for kind in ("rouge1", "rouge2", "rougeL")}

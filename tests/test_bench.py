@@ -54,8 +54,11 @@ def test_memory_rows_show_what_the_guides_warn_about(cfg):
     results = {r["practice"]: r for r in run_bench(cfg)}
     retained = results["memory_eval_no_grad"]
     assert retained["on"]["median"] < retained["off"]["median"]  # graphs kept alive by summed loss tensors
-    for r in results.values():
-        assert "error" not in r and r["on"]["median"] >= 0 and r["off"]["median"] > 0
+    for name, r in results.items():
+        if "skipped" in r:  # memory_precision on a CPU without fast bf16: said why, not measured
+            assert r["skipped"] == NOT_HERE[name]
+        else:
+            assert "error" not in r and r["on"]["median"] >= 0 and r["off"]["median"] > 0
 
 
 def test_batch_search_doubles_then_bisects(cfg):

@@ -43,6 +43,9 @@ def test_clear_errors_for_missing_corrupt_and_foreign_files(tmp_path):
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="corrupt"):
         checkpoint.load(tmp_path / "junk.pt")
+    torch.save({"format_version": 1}, tmp_path / "old.pt")  # before the recipe became the code's defaults
+    with pytest.raises(CheckpointError, match="format version 1, but this code reads version 2; evaluate it with"):
+        checkpoint.load(tmp_path / "old.pt")
     torch.save({"format_version": 999}, tmp_path / "future.pt")
     with pytest.raises(CheckpointError, match="format version 999"):
         checkpoint.load(tmp_path / "future.pt")
@@ -50,6 +53,7 @@ def test_clear_errors_for_missing_corrupt_and_foreign_files(tmp_path):
 
 def test_rng_state_round_trip(tmp_path):
     import random
+
     import numpy as np
     checkpoint.save({"rng": checkpoint.rng_state()}, tmp_path / "r.pt")
     first = (random.random(), np.random.rand(), torch.rand(1).item())
@@ -61,3 +65,24 @@ def test_tokenizer_mismatch_is_refused():
     checkpoint.check_tokenizer({"spm_sha256": "abc"}, {"spm_sha256": "abc"}, "run x")
     with pytest.raises(DataError, match="tokenizer mismatch"):
         checkpoint.check_tokenizer({"spm_sha256": "abc"}, {"spm_sha256": "def"}, "run x")
+
+
+def test_models_are_built_in_one_place_each():
+    """A fresh model is built by train.build, a checkpoint's by checkpoint.restore_model (from its own config)."""
+    import re
+    from pathlib import Path
+    call = re.compile(r"(?<![\w.])(?<!class )Seq2Seq\(")
+    builders = {p.name for p in Path("summarizer").glob("*.py") if call.search(p.read_text())}
+    assert builders == {"train.py", "checkpoint.py"}, builders
+
+
+def test_restore_model_uses_the_checkpoints_own_config():
+    from summarizer.config import load_config, to_dict
+    from summarizer.model import Seq2Seq
+    cfg = load_config(None, ["model.d_model=32", "model.ffn_dim=48", "model.encoder_layers=1"])
+    model = Seq2Seq(cfg.model, 30)
+    state = {"config": to_dict(cfg), "data_meta": {"vocab_size": 30}, "model": model.state_dict()}
+    restored = checkpoint.restore_model(state)
+    assert restored.cfg == cfg.model and len(restored.encoder_layers) == 1
+    pairs = zip(restored.state_dict().values(), model.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)

@@ -15,7 +15,8 @@ def make_dataset(n=200, seed=0, max_source_len=40, max_target_len=12):
 
 
 def test_collate_shifts_targets_and_pads():
-    pairs = [(np.array([5, 6, 7], np.uint16), np.array([8, 9], np.uint16)), (np.array([5], np.uint16), np.array([4], np.uint16))]
+    pairs = [(np.array([5, 6, 7], np.uint16), np.array([8, 9], np.uint16)),
+             (np.array([5], np.uint16), np.array([4], np.uint16))]
     batch = collate(pairs)
     assert batch["src_ids"].tolist() == [[5, 6, 7], [5, PAD, PAD]]
     assert batch["tgt_in"].tolist() == [[BOS, 8, 9], [BOS, 4, PAD]]
@@ -72,12 +73,13 @@ def test_bucketing_reduces_padding():
     ds = make_dataset(n=2000)
     bucketed = list(TokenBatchSampler(ds.src_lens, ds.tgt_lens, 600, seed=0))
     random_order = token_budget_batches(np.random.default_rng(0).permutation(len(ds)), ds.src_lens, ds.tgt_lens, 600)
-    assert padding_fraction(bucketed, ds.src_lens, ds.tgt_lens) < 0.5 * padding_fraction(random_order, ds.src_lens, ds.tgt_lens)
+    padding = padding_fraction(bucketed, ds.src_lens, ds.tgt_lens)
+    assert padding < 0.5 * padding_fraction(random_order, ds.src_lens, ds.tgt_lens)
 
 
 def test_getitems_matches_getitem():
     ds = make_dataset()
-    for (a, b), i in zip(ds.__getitems__([3, 7]), [3, 7]):
+    for (a, b), i in zip(ds.__getitems__([3, 7]), [3, 7], strict=True):
         assert np.array_equal(a, ds[i][0]) and np.array_equal(b, ds[i][1])
 
 

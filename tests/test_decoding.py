@@ -70,7 +70,7 @@ def test_ngram_blocking_blocks():
     assert blocked[0, 7] == float("-inf") and torch.isfinite(blocked[0]).sum() == 9  # "5 6 7" again
     assert torch.isfinite(blocked[1]).all()
     for hyp in beam_search(*_repetitive_model(), 4, max_len=15, no_repeat_ngram=2):
-        bigrams = list(zip(hyp, hyp[1:]))
+        bigrams = list(zip(hyp, hyp[1:], strict=False))
         assert len(bigrams) == len(set(bigrams))
 
 
@@ -79,3 +79,16 @@ def _repetitive_model():
     m = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32, dropout=0.0,
                             copy=False), 12).eval()
     return m, torch.randint(4, 12, (3, 5))
+
+
+def test_every_decode_goes_through_decode_all():
+    """Evaluation, summarize, valid ROUGE, sample summaries, the overfit check and the bench all call
+    decode_all; nothing outside decoding.py runs a search loop of its own."""
+    import re
+    from pathlib import Path
+    search_call = re.compile(r"(?<![\w.])(?<!def )(greedy|beam_search|decode_batch)\(")
+    for path in Path("summarizer").glob("*.py"):
+        if path.name != "decoding.py":
+            assert not search_call.search(path.read_text()), path
+    for name in ("evaluate.py", "train.py", "overfit.py", "bench.py"):
+        assert (Path("summarizer") / name).read_text().count("decode_all(") >= 1, name

@@ -18,7 +18,8 @@ def test_multiplier_has_rate_p_and_the_inverted_scale(dtype):
 
 def test_masks_follow_torch_seed_and_differ_between_calls():
     torch.manual_seed(3)
-    a, b = dropout_multiplier(torch.Size([1000]), 0.3, torch.float32), dropout_multiplier(torch.Size([1000]), 0.3, torch.float32)
+    a = dropout_multiplier(torch.Size([1000]), 0.3, torch.float32)
+    b = dropout_multiplier(torch.Size([1000]), 0.3, torch.float32)
     torch.manual_seed(3)
     assert torch.equal(a, dropout_multiplier(torch.Size([1000]), 0.3, torch.float32))
     assert not torch.equal(a, b)

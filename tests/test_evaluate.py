@@ -85,3 +85,11 @@ def test_missing_checkpoint_and_tokenizer_mismatch_are_clear(trained_tiny, capsy
     assert prep(args[:2] + other) == 0
     assert main(["eval", *args, *other]) == 2
     assert "tokenizer mismatch" in capsys.readouterr().err
+
+
+def test_eval_builds_the_checkpoints_own_model_whatever_the_current_config(trained_tiny):
+    from summarizer.__main__ import main
+    tmp, args = trained_tiny
+    assert main(["eval", *args, "model.d_model=48", "model.encoder_layers=1", "eval.limit=4",
+                 f"eval.out_dir={tmp / 'other_config'}"]) == 0
+    assert len((tmp / "other_config" / "predictions.txt").read_text().splitlines()) == 4

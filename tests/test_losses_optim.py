@@ -51,7 +51,7 @@ def test_schedules_warm_up_then_decay(schedule):
     cfg = TrainConfig(warmup_steps=10, max_steps=100, schedule=schedule)
     factors = [lr_factor(s, cfg) for s in range(100)]
     assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
-    assert all(a <= b for a, b in zip(factors[:10], factors[1:10]))
+    assert all(a <= b for a, b in zip(factors[:9], factors[1:10], strict=True))
     if schedule != "constant":
         assert factors[-1] < factors[10]
     if schedule == "inverse_sqrt":
@@ -85,7 +85,7 @@ def test_fused_vocab_stats_gradient_matches_autograd(dtype):
     for fn in (reference, lambda x: VocabStats.apply(x, target)):
         x = base.clone().requires_grad_()
         outs = fn(x)
-        sum(w @ o for w, o in zip(weights, outs)).backward()
+        sum(w @ o for w, o in zip(weights, outs, strict=True)).backward()
         grads.append(x.grad.float())
         values.append(torch.stack(outs))
         assert x.grad.dtype == dtype and torch.equal(x.detach(), base)  # input untouched

@@ -9,6 +9,7 @@ from summarizer import runtime
 from summarizer.config import ModelConfig, load_config
 from summarizer.errors import ConfigError
 from summarizer.model import Seq2Seq
+from summarizer.placement import PlacedSeq2Seq
 
 
 @pytest.mark.parametrize("name, message", [("tpu", "unknown device|not supported"), ("cuda:0", "no CUDA GPU")])
@@ -40,11 +41,12 @@ def test_placement_cpu_cpu_matches_single_device():
     model = Seq2Seq(cfg, 40).eval()
     src, tgt = torch.randint(4, 40, (4, 6)), torch.randint(4, 40, (4, 5))
     ref = model(src, tgt)
-    placed = runtime.PlacedSeq2Seq(model, torch.device("cpu"), torch.device("cpu"), chunks=2)
-    for got, want in zip(placed(src, tgt), ref):
+    placed = PlacedSeq2Seq(model, torch.device("cpu"), torch.device("cpu"), chunks=2)
+    for got, want in zip(placed(src, tgt), ref, strict=True):
         assert torch.allclose(got, want, atol=1e-6)
     assert torch.allclose(placed.decode(tgt, placed.encode(src), src), model.decode(tgt, model.encode(src), src))
-    assert runtime.unwrap(placed) is model
+    # One unwrap rule: the placed model is what decoding and checkpoints see, and its state dict is the model's.
+    assert runtime.unwrap(placed) is placed and placed.state_dict().keys() == model.state_dict().keys()
 
 
 def test_setup_single_process_cpu():
@@ -83,6 +85,7 @@ def test_cpu_attention_kernel_choice(backend, explicit):
 _CONV_TWICE = """
 import sys, torch
 from summarizer import runtime
+from summarizer.placement import PlacedSeq2Seq
 from summarizer.config import load_config
 runtime.setup(load_config(None, ["train.device=cpu", "train.cpu_kernel_cache=" + sys.argv[1]]))
 weight = torch.randn(32, 16, 3)

@@ -1,0 +1,75 @@
+"""Model-parallel placement: encoder on one device, embedding and decoder on another, behind the model's interface."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from summarizer.runtime import Runtime, move
+
+
+class PlacedSeq2Seq(nn.Module):
+    """Model parallel: encoder layers on one device, embedding and decoder on another.
+
+    It takes inputs wherever they are and reads like the plain model: `forward` returns the
+    decoder's outputs on the decoder device (where the loss then runs), `decode` returns
+    log-probabilities on the device its inputs came from, and its state dict is the inner model's.
+    So the loop, the loss and the decoders need not know the model is split.
+
+    The one shared embedding (source, target and output projection) lives with the decoder, where
+    two of its three uses are: source ids are embedded there and the embeddings hop to the encoder
+    device, so a single Parameter gets every gradient and no copy has to be kept in sync. The
+    memory hops back for cross-attention. Autograd carries gradients across `.to()` both ways.
+    With `chunks > 1` the batch is split in micro-batches and, because CUDA launches are
+    asynchronous, the encoder of chunk i+1 runs while the decoder of chunk i does (GPipe-style).
+    """
+
+    def __init__(self, model: nn.Module, encoder_device: torch.device, decoder_device: torch.device,
+                 chunks: int = 1):
+        super().__init__()
+        self.inner, self.enc_dev, self.dec_dev, self.chunks = model, encoder_device, decoder_device, chunks
+        model.to(decoder_device)
+        model.encoder_layers.to(encoder_device)
+        model.encoder_norm.to(encoder_device)
+
+    def state_dict(self, *args, **kwargs):
+        return self.inner.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self.inner.load_state_dict(*args, **kwargs)
+
+    def encode(self, src_ids: Tensor) -> Tensor:
+        src_dec = move(src_ids, self.dec_dev)
+        x = move(self.inner.embed(src_dec), self.enc_dev)  # (B, S, D) on the encoder device
+        memory = self.inner.run_encoder(x, self.inner.source_mask(move(src_ids, self.enc_dev)))
+        return move(memory, self.dec_dev)
+
+    def decoder_output(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None = None):
+        return self.inner.decoder_output(move(tgt_in, self.dec_dev), move(memory, self.dec_dev),
+                                         move(src_ids, self.dec_dev), cache)
+
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None = None) -> Tensor:
+        src_dec = move(src_ids, self.dec_dev)
+        return self.inner.log_probs(self.decoder_output(tgt_in, memory, src_dec, cache), src_dec).to(tgt_in.device)
+
+    def reorder_cache(self, cache: dict, index: Tensor) -> dict:
+        return self.inner.reorder_cache(cache, move(index, self.dec_dev))
+
+    def forward(self, src_ids: Tensor, tgt_in: Tensor):
+        if self.chunks <= 1:
+            return self.decoder_output(tgt_in, self.encode(src_ids), src_ids)
+        src_chunks, tgt_chunks = src_ids.chunk(self.chunks), tgt_in.chunk(self.chunks)
+        memories = [self.encode(src_chunks[0])]
+        outputs = []
+        for i in range(len(src_chunks)):
+            if i + 1 < len(src_chunks):  # queue the next encoder chunk before this decoder chunk
+                memories.append(self.encode(src_chunks[i + 1]))
+            outputs.append(self.decoder_output(tgt_chunks[i], memories[i], src_chunks[i]))
+        # Chunks share T but not S (each is padded to the whole batch's S already, so S matches too).
+        return type(outputs[0])(*(None if parts[0] is None else torch.cat(parts, dim=0)
+                                  for parts in zip(*outputs, strict=True)))
+
+
+def place_model(model: nn.Module, rt: Runtime, chunks: int = 1) -> nn.Module:
+    if rt.device != rt.decoder_device:
+        return PlacedSeq2Seq(model, rt.device, rt.decoder_device, chunks)
+    return model.to(rt.device)
