@@ -12,7 +12,7 @@ from data_prep.tokenize import encode_split, token_dtype, write_split
 from data_prep.train_spm import train_spm
 from summarizer.config import DataConfig
 from summarizer.errors import DataError
-from summarizer.outputs import atomic_write
+from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
 from summarizer.prepared import FORMAT_VERSION, META_FILE, SPM_FILE, split_files
 from summarizer.tokenizer import BOS, EOS, PAD, UNK
 
@@ -91,11 +91,13 @@ def prepare(cfg: DataConfig) -> dict | None:
     """Prepare cfg.dir from cfg.source; returns the new meta, or None when it was already up to date."""
     start = time.perf_counter()
     data_dir = Path(cfg.dir)
+    if not is_hub(cfg.source):
+        refuse_overlap(data_dir, input_files(cfg) + ([cfg.source] if isinstance(cfg.source, str) else []), "data.dir")
     fp = fingerprint(cfg)
     if is_up_to_date(data_dir, fp):
         print(f"{data_dir} is up to date (same inputs and data settings): nothing to do", flush=True)
         return None
-    data_dir.mkdir(parents=True, exist_ok=True)
+    claim_dir(data_dir, "data", "data.dir", legacy=(META_FILE,))
     cleaned, raw_pairs, dropped, held = _load_and_clean(cfg, data_dir)
     spm_model, spm_info = train_spm(cleaned["train"], cfg)
     _clear_outputs(data_dir)  # only now: every failure a user can cause has happened by here

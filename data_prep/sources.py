@@ -1,8 +1,6 @@
 """Raw pairs from a hub dataset, a directory of split files or a {split: [files]} mapping, via `datasets` builders."""
 from __future__ import annotations
 
-import gzip
-import json
 from pathlib import Path
 
 import datasets
@@ -10,6 +8,7 @@ from datasets import Dataset, Features, List, Value
 
 from summarizer.config import DataConfig
 from summarizer.errors import ConfigError, DataError
+from summarizer.pairs import numbered_lines, parse_record
 
 PRODUCT_SPLITS = ("train", "valid", "test")
 # Every reader returns exactly these columns, so splits from different files concatenate.
@@ -108,18 +107,13 @@ def split_mapping(cfg: DataConfig, available: list[str]) -> dict[str, list[str]]
 
 
 def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
-    """(1-based line number, reason) of the first line that is not a JSON object, or None."""
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw.decode("utf-8-sig", errors="replace"))
-            except json.JSONDecodeError as exc:
-                return number, f"malformed JSON: {exc.msg} at column {exc.colno}"
-            if not isinstance(record, dict):
-                return number, f"expected a JSON object, got {type(record).__name__}"
+    """(1-based line number, reason) of the first line that is not a JSON object, or None; a broken
+    gzip file is a DataError of its own."""
+    for number, raw in numbered_lines(path):
+        if raw.strip():
+            record = parse_record(raw)
+            if isinstance(record, str):
+                return number, record
     return None
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from summarizer.config import load_config
@@ -40,6 +41,11 @@ def run(args: argparse.Namespace) -> int:
         best = "n/a" if best is None else f"{best['metric']} {best['value']:.4g}"
         print(f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best valid {best}; "
               f"checkpoints in {summary['run_dir']}")
+        if summary["signal"] is not None:  # checkpointed, but not finished: say so, and exit as shells expect
+            name = signal.Signals(summary["signal"]).name
+            print(f"interrupted by {name} at step {summary['steps']}, after writing its checkpoint; run the same "
+                  f"command again to resume", file=sys.stderr)
+            return 128 + summary["signal"]
         return 0
     if args.command == "overfit":
         from summarizer.overfit import overfit_check
@@ -50,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({k: report[k] for k in ("rouge1", "rouge2", "rougeL") if k in report}))
         return 0
     if args.command == "summarize":
-        from summarizer.evaluate import summarize_stream
-        summarize_stream(cfg, sys.stdin, sys.stdout)
+        from summarizer.summarize import summarize_stream
+        summarize_stream(cfg, sys.stdin.buffer, sys.stdout)
         return 0
     from summarizer.bench import run_bench
     run_bench(cfg)

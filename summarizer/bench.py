@@ -16,7 +16,7 @@ from summarizer import bench_memory, runtime
 from summarizer.config import Config, from_dict, to_dict
 from summarizer.data import PairDataset, TokenBatchSampler, make_loader, padding_fraction
 from summarizer.decoding import decode_all
-from summarizer.outputs import atomic_write
+from summarizer.outputs import atomic_write, claim_dir
 from summarizer.prepared import read_meta, valid_split
 from summarizer.train import batches_forever, build, to_device, train_step
 
@@ -50,7 +50,7 @@ class TrainingProbe:
         self.cfg, self.item_every_step = cfg, item_every_step
         self.rt = runtime.setup(cfg)
         torch.manual_seed(cfg.train.seed)
-        model, self.optimizer, _, self.scaler = build(cfg, self.rt, read_meta(cfg.data.dir))
+        model, self.optimizer, self.scaler = build(cfg, self.rt, read_meta(cfg.data.dir))
         self.model = torch.compile(model) if cfg.train.compile else model
         ds = PairDataset.from_dir(cfg.data.dir, "train", cfg.data)
         bucketed = TokenBatchSampler(ds.src_lens, ds.tgt_lens, cfg.data.batch_tokens, cfg.data.bucket_size,
@@ -242,6 +242,7 @@ def _fmt(s: dict) -> str:
 
 def run_bench(cfg: Config) -> list[dict]:
     """Measure every (selected) row; print the table; write bench.json, bench.md and TensorBoard scalars."""
+    claim_dir(cfg.run_dir, "run", "run.dir", legacy=("bench.json",))
     table = rows(cfg)
     wanted = cfg.bench.rows or list(table) + [n for n in NOT_HERE if n not in table]
     unknown = [n for n in wanted if n not in table and n not in NOT_HERE]
@@ -301,7 +302,6 @@ def markdown(results: list[dict]) -> str:
 
 
 def write_outputs(cfg: Config, results: list[dict]) -> None:
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(cfg.run_dir / "bench.json", json.dumps(results, indent=2))
     table = markdown(results)
     header = (f"Medians of {cfg.bench.repeats} repeats of {cfg.bench.steps} steps after {cfg.bench.warmup} "

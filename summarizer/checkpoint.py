@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import pickle
 import random
 from pathlib import Path
 
@@ -60,10 +59,13 @@ def load(path: str | Path, map_location="cpu") -> dict:
                               f"or point eval.checkpoint at an existing .pt file")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError) as exc:
-        raise CheckpointError(f"checkpoint {path} is corrupt or not a checkpoint ({exc.__class__.__name__}: "
-                              f"{str(exc).splitlines()[0][:200]}); delete it to fall back to an older one") from None
-    version = state.get("format_version") if isinstance(state, dict) else None
+    except Exception as exc:  # torch.load raises many types for a truncated, empty or foreign file
+        first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"checkpoint {path} is unreadable: corrupt, truncated or not a checkpoint "
+                              f"({type(exc).__name__}{': ' + first_line if first_line else ''})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} is unreadable: it holds a {type(state).__name__}, not a checkpoint")
+    version = state.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {version}, but this code reads version "
                               f"{FORMAT_VERSION}; evaluate it with the release that wrote it (its manifest.json "
@@ -93,18 +95,38 @@ def save_step(state: dict, run_dir: Path, keep_last: int) -> Path:
     return path
 
 
+def step_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's step checkpoints, newest first: the `latest` pointer's target, then every ckpt_*.pt by step."""
+    files = sorted(Path(run_dir).glob("ckpt_*.pt"), reverse=True)
+    try:
+        pointed = Path(run_dir) / json.loads((Path(run_dir) / LATEST).read_text())["checkpoint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return files
+    return [pointed] + [f for f in files if f != pointed] if pointed.is_file() else files
+
+
 def latest_path(run_dir: Path) -> Path | None:
-    """The newest loadable step checkpoint: the pointer's target, else the newest file present."""
-    pointer = run_dir / LATEST
-    if pointer.is_file():
+    files = step_checkpoints(run_dir)
+    return files[0] if files else None
+
+
+def load_latest(run_dir: Path) -> tuple[dict, Path, list[str]] | None:
+    """(state, path, problems) of the newest readable step checkpoint; None when the run has none.
+
+    An unreadable checkpoint (a crash mid-copy, a full disk, a file replaced by hand) is skipped and
+    its problem returned, so the run resumes from the newest one that loads; if none loads, the error
+    lists them all.
+    """
+    problems = []
+    for path in step_checkpoints(run_dir):
         try:
-            candidate = run_dir / json.loads(pointer.read_text())["checkpoint"]
-            if candidate.is_file():
-                return candidate
-        except (ValueError, KeyError):
-            pass
-    files = sorted(run_dir.glob("ckpt_*.pt"))
-    return files[-1] if files else None
+            return load(path), path, problems
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise CheckpointError(f"no checkpoint of run {run_dir} is readable: {'; '.join(problems)}. Start a new run "
+                              f"(run.name=NEW_NAME), or restore a checkpoint from a backup")
+    return None
 
 
 def check_tokenizer(ckpt_meta: dict, data_meta: dict, where: str) -> None:

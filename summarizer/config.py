@@ -263,21 +263,44 @@ def validate(cfg: Config) -> None:
         if value not in options:
             raise ConfigError(f"{section}.{name} must be one of {options}, got {value!r}."
                               f"{_nearest(str(value), options)}")
-    m, t, d = cfg.model, cfg.train, cfg.data
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    m, t, d, e = cfg.model, cfg.train, cfg.data, cfg.eval
     positive = {"model.d_model": m.d_model, "model.n_heads": m.n_heads, "model.ffn_dim": m.ffn_dim,
                 "model.encoder_layers": m.encoder_layers, "model.decoder_layers": m.decoder_layers,
-                "train.accum_steps": t.accum_steps, "train.max_steps": t.max_steps,
-                "train.log_every": t.log_every, "train.eval_every": t.eval_every,
-                "train.ckpt_every": t.ckpt_every, "data.batch_tokens": d.batch_tokens,
-                "data.vocab_size": d.vocab_size, "data.pad_multiple": d.pad_multiple,
-                "eval.beam_size": cfg.eval.beam_size, "eval.batch_size": cfg.eval.batch_size,
-                "eval.bootstrap_samples": cfg.eval.bootstrap_samples,
-                "placement.pipeline_chunks": cfg.placement.pipeline_chunks}
+                "model.max_positions": m.max_positions, "train.lr": t.lr, "train.accum_steps": t.accum_steps,
+                "train.max_steps": t.max_steps, "train.log_every": t.log_every, "train.eval_every": t.eval_every,
+                "train.ckpt_every": t.ckpt_every, "train.keep_last": t.keep_last,
+                "train.max_bad_steps": t.max_bad_steps,
+                "data.batch_tokens": d.batch_tokens, "data.vocab_size": d.vocab_size,
+                "data.pad_multiple": d.pad_multiple, "data.max_source_len": d.max_source_len,
+                "data.max_target_len": d.max_target_len, "data.max_source_words": d.max_source_words,
+                "data.max_target_words": d.max_target_words, "data.num_proc": d.num_proc,
+                "data.prefetch_factor": d.prefetch_factor, "eval.beam_size": e.beam_size,
+                "eval.batch_size": e.batch_size, "eval.max_len": e.max_len,
+                "eval.bootstrap_samples": e.bootstrap_samples,
+                "placement.pipeline_chunks": cfg.placement.pipeline_chunks, "bench.repeats": cfg.bench.repeats,
+                "bench.steps": cfg.bench.steps, "bench.decode_sentences": cfg.bench.decode_sentences}
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
+    not_negative = {"train.max_minutes": t.max_minutes, "train.warmup_steps": t.warmup_steps,
+                    "train.weight_decay": t.weight_decay, "train.clip_norm": t.clip_norm,
+                    "train.rouge_every": t.rouge_every, "train.rouge_samples": t.rouge_samples,
+                    "train.patience": t.patience, "train.profile_steps": t.profile_steps,
+                    "train.sample_summaries": t.sample_summaries, "data.valid_holdout": d.valid_holdout,
+                    "data.train_limit": d.train_limit, "eval.min_len": e.min_len, "eval.limit": e.limit,
+                    "eval.no_repeat_ngram": e.no_repeat_ngram, "bench.warmup": cfg.bench.warmup}
+    for key, value in not_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if e.min_len > e.max_len:
+        raise ConfigError(f"eval.min_len ({e.min_len}) exceeds eval.max_len ({e.max_len}): no summary can satisfy "
+                          f"both; lower eval.min_len or raise eval.max_len")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in t.betas):
+        raise ConfigError(f"train.betas must be two numbers in [0, 1), got {t.betas}")
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
     for key, value in {"model.dropout": m.dropout, "model.attention_dropout": m.attention_dropout,
                        "train.label_smoothing": t.label_smoothing}.items():
         if not 0.0 <= value < 1.0:
@@ -298,20 +321,31 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.splits must map 'train' (and optionally 'valid', 'test') to source split names")
 
 
+def read_yaml(path: Path) -> dict:
+    """A config file's mapping of sections; one clear error for each way the file can be wrong."""
+    if path.is_dir():
+        raise ConfigError(f"--config {path} is a directory; give a YAML file, e.g. configs/base.yaml")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (see configs/ for examples)")
+    try:
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        raise ConfigError(f"config file {path} is empty: give at least one section, or leave --config out to "
+                          f"use the defaults (the recipe in configs/base.yaml)")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
     """Defaults, then the YAML file, then each override in order; validated."""
     cfg = Config()
     if path:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist (see configs/ for examples)")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections")
-        _merge(cfg, data)
+        _merge(cfg, read_yaml(Path(path)))
     for text in overrides:
         _merge(cfg, parse_override(text, cfg))
     validate(cfg)

@@ -14,12 +14,11 @@ from rouge_score import rouge_scorer, scoring
 from summarizer import checkpoint, runtime
 from summarizer.config import Config
 from summarizer.decoding import decode_all
-from summarizer.errors import DataError
-from summarizer.outputs import atomic_write
+from summarizer.errors import CheckpointError, DataError
+from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
 from summarizer.placement import place_model
 from summarizer.prepared import load_split, open_tokenizer, read_meta, read_pairs
 from summarizer.runtime import Runtime
-from summarizer.tokenizer import Tokenizer, normalize
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 _UNK = re.compile(r"(?<!\S)(?:UNK|<unk>)(?!\S)")
@@ -33,7 +32,14 @@ def unify_unk(text: str) -> str:
 def load_model(path: str | Path, rt: Runtime, meta: dict) -> tuple[torch.nn.Module, dict]:
     """The checkpoint's own model (its config, not the current one), placed, in eval mode; refused if
     `meta` (the data it will read) has another tokenizer."""
-    state = checkpoint.load(path)
+    try:
+        state = checkpoint.load(path)
+    except CheckpointError as exc:
+        others = [p for p in checkpoint.step_checkpoints(Path(path).parent) if p != Path(path)]
+        if not others:
+            raise
+        raise CheckpointError(f"{exc}. Checkpoints of the same run that could replace it: "
+                              f"{', '.join(str(p) for p in others)}; use one with eval.checkpoint=PATH") from None
     checkpoint.check_tokenizer(state["data_meta"], meta, f"checkpoint {path}")
     model = place_model(checkpoint.restore_model(state), rt).eval()
     return model, {"path": str(path), "step": state["step"]}
@@ -74,6 +80,9 @@ def evaluate(cfg: Config) -> dict:
     if cfg.eval.split not in meta["splits"]:
         raise DataError(f"split '{cfg.eval.split}' was not prepared in {cfg.data.dir} (prepared: "
                         f"{', '.join(meta['splits'])}); map it in data.splits and re-run prep, or set eval.split")
+    out_dir = Path(cfg.eval.out_dir) if cfg.eval.out_dir else cfg.run_dir
+    refuse_overlap(out_dir, [cfg.data.dir], "eval.out_dir")
+    claim_dir(out_dir, "eval", "eval.out_dir", legacy=("rouge.json",), also=("run", "overfit"))
     tokenizer = open_tokenizer(cfg.data.dir)
     model, source = load_model(eval_checkpoint(cfg), rt, meta)
     pairs = read_pairs(cfg.data.dir, cfg.eval.split)
@@ -98,8 +107,6 @@ def evaluate(cfg: Config) -> dict:
         "length_penalty": cfg.eval.length_penalty, "no_repeat_ngram": cfg.eval.no_repeat_ngram,
         "checkpoint": source, "precision": rt.precision}
     report["sentences_per_s"] = n / seconds
-    out_dir = Path(cfg.eval.out_dir) if cfg.eval.out_dir else cfg.run_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(out_dir / "predictions.txt", "".join(p.replace("\n", " ") + "\n" for p in predictions))
     atomic_write(out_dir / "rouge.json", json.dumps(report, indent=2))
     lead = " ".join(f"{k} R1 {v['rouge1']:.1f}" for k, v in report["lead"].items())
@@ -107,21 +114,3 @@ def evaluate(cfg: Config) -> dict:
           f"{report['rouge1']['f']:.2f}/{report['rouge2']['f']:.2f}/{report['rougeL']['f']:.2f}; {lead}; "
           f"{report['sentences_per_s']:.0f} sentences/s; written to {out_dir}", file=sys.stderr)
     return report
-
-
-def summarize_stream(cfg: Config, stdin, stdout, batch_lines: int = 256) -> None:
-    """One text per input line -> one summary per output line, normalised the way the training data was."""
-    rt = runtime.setup(cfg)
-    meta = read_meta(cfg.data.dir)
-    tokenizer: Tokenizer = open_tokenizer(cfg.data.dir)
-    model, _ = load_model(eval_checkpoint(cfg), rt, meta)
-    norm = meta["normalization"]
-    lines = [line.rstrip("\n") for line in stdin]
-    for start in range(0, len(lines), batch_lines):
-        chunk = lines[start:start + batch_lines]
-        sources = [tokenizer.encode(normalize(text, norm["lowercase"], norm["mask_digits"]))[:cfg.data.max_source_len]
-                   for text in chunk]
-        hyps = decode_all(model, sources, cfg.eval, rt, "summarize")
-        for text, h in zip(chunk, hyps, strict=True):
-            stdout.write((tokenizer.decode(h) if text.strip() else "") + "\n")
-        stdout.flush()

@@ -55,8 +55,13 @@ def _git(*args: str) -> str:
 
 
 def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], precision: str,
-                   data_meta: dict, world_size: int) -> dict:
-    """Everything needed to say later exactly what produced this run's numbers."""
+                   data_meta: dict, world_size: int, changes: list[dict] = ()) -> dict:
+    """Everything needed to say later exactly what produced this run's numbers; `changes` (config keys
+    changed on resume: step, key, old, new) are added to those the manifest already records."""
+    try:
+        history = json.loads((run_dir / "manifest.json").read_text()).get("config_changes", [])
+    except (OSError, ValueError):
+        history = []
     manifest = {
         "python": sys.version.split()[0], "platform": platform.platform(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
@@ -66,7 +71,7 @@ def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], prec
         "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
         "seed": cfg.train.seed, "command": sys.argv,
         "data": {k: data_meta.get(k) for k in ("spm_sha256", "fingerprint", "vocab_size", "splits")},
-        "config": to_dict(cfg),
+        "config": to_dict(cfg), "config_changes": history + list(changes),
     }
     atomic_write(run_dir / "manifest.json", json.dumps(manifest, indent=2, default=str))
     return manifest

@@ -43,5 +43,12 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig,
+                    step: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The schedule as of `step` optimizer steps: the lr is a function of (cfg, step) alone, so a resumed
+    run rebuilds it from the current config (a changed train.lr or schedule takes effect) instead of
+    restoring the base lr its checkpoint held."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.lr
+    # LambdaLR's constructor takes one step itself: last_epoch = step - 1 leaves it at `step`.
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg), last_epoch=step - 1)

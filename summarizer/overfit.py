@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
-import shutil
+from pathlib import Path
 
 from summarizer import checkpoint, runtime
 from summarizer.config import Config
 from summarizer.data import PairDataset, TokenBatchSampler, make_loader
 from summarizer.decoding import decode_all
 from summarizer.evaluate import load_model
+from summarizer.outputs import claim_dir
 from summarizer.prepared import read_meta
-from summarizer.train import evaluate_loss, train
+from summarizer.train import RUN_FILES, evaluate_loss, train
 
 DIAGNOSIS = """What a failure points to (the checks of a model that should memorise):
   - loss does not fall at all: layers not connected, gradients not flowing (detached tensor, frozen
@@ -21,12 +22,20 @@ DIAGNOSIS = """What a failure points to (the checks of a model that should memor
     cache or position offsets)."""
 
 
+def start_from_scratch(run_dir: Path) -> None:
+    """A check never resumes: remove what earlier checks wrote to their run dir, and nothing else. Only a
+    dir made for overfit checks is cleared: a training run's dir, or anybody else's, is refused."""
+    claim_dir(run_dir, "overfit", "run.dir")
+    for pattern in (*RUN_FILES, "ckpt_*.pt", "*.tmp"):
+        for path in run_dir.glob(pattern):
+            path.unlink()
+
+
 def overfit_check(cfg: Config) -> int:
     """Train from scratch on the first `data.train_limit` pairs; 0 if memorised, 1 otherwise."""
     if cfg.data.train_limit <= 0:
         cfg.data.train_limit = 64
-    if cfg.run_dir.exists():  # a check always starts from scratch, never resumes
-        shutil.rmtree(cfg.run_dir)
+    start_from_scratch(cfg.run_dir)
     summary = train(cfg)
     rt = runtime.setup(cfg)
     model, _ = load_model(checkpoint.latest_path(cfg.run_dir), rt, read_meta(cfg.data.dir))

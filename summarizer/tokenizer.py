@@ -59,6 +59,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text, out_type=int)
 
+    def encode_raw(self, text: str, normalization: dict) -> list[int]:
+        """Raw text (as a user types it) -> ids, normalised as the training data was (meta.json's `normalization`)."""
+        return self.encode(normalize(text, normalization["lowercase"], normalization["mask_digits"]))
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.sp.encode(list(texts), out_type=int)
 

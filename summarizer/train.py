@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import math
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,10 +23,16 @@ from summarizer.losses import smoothed_nll
 from summarizer.model import Seq2Seq, count_parameters
 from summarizer.monitor import Monitor, Profiler, Window, flatten, memory_report, write_manifest
 from summarizer.optim import build_optimizer, build_scheduler
+from summarizer.outputs import claim_dir
 from summarizer.placement import place_model
 from summarizer.prepared import open_tokenizer, read_meta, valid_split
+from summarizer.resume import check_resume
 from summarizer.runtime import Runtime, move
 from summarizer.tokenizer import Tokenizer
+
+# What a run writes to its run dir (besides ckpt_*.pt): how a run dir written before the ownership
+# marker is recognised, and what `make overfit` may clear.
+RUN_FILES = ("config.yaml", "manifest.json", "metrics.jsonl", checkpoint.LATEST, checkpoint.BEST, "profile.txt")
 
 
 class TrainingAborted(UserError):
@@ -102,13 +109,17 @@ class StopFlag:
     """SIGINT/SIGTERM ask the loop to checkpoint and exit; a second SIGINT interrupts at once."""
 
     def __init__(self):
-        self.requested = False
+        self.signum: int | None = None
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
 
     def _handle(self, signum, frame):
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.requested = True
+        self.signum = signum
 
     def restore(self):
         for sig, handler in self._previous.items():
@@ -116,27 +127,39 @@ class StopFlag:
 
 
 def build(cfg: Config, rt: Runtime, meta: dict, state: dict | None = None):
-    """Model, optimizer, scheduler and scaler, placed on their devices (not yet DDP-wrapped). The model
-    is fresh from `cfg.model`, or, given a checkpoint's `state`, built from the checkpoint's own config."""
+    """Model, optimizer and scaler, placed on their devices (not yet DDP-wrapped), with a checkpoint's
+    `state` restored if given: the model is then built from the checkpoint's own config."""
     model = checkpoint.restore_model(state) if state else Seq2Seq(cfg.model, meta["vocab_size"])
     model = place_model(model, rt, cfg.placement.pipeline_chunks)
-    optimizer = build_optimizer(model, cfg.train)
-    return model, optimizer, build_scheduler(optimizer, cfg.train), runtime.make_scaler(rt)
+    optimizer, scaler = build_optimizer(model, cfg.train), runtime.make_scaler(rt)
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+    return model, optimizer, scaler
 
 
-def restore(state: dict, optimizer, scheduler, scaler) -> dict:
-    """Optimizer, schedule, scaler and RNG states of a checkpoint (its model is built by `build`)."""
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
-    checkpoint.set_rng_state(state["rng"])
-    return state["progress"]
+def resume_state(cfg: Config, meta: dict) -> tuple[dict | None, list[dict]]:
+    """The run's newest readable checkpoint (None for a new run) and the config changes it resumes
+    with; refuses another tokenizer and changes that cannot take effect mid-run."""
+    found = checkpoint.load_latest(cfg.run_dir)
+    if found is None:
+        return None, []
+    state, path, skipped = found
+    for problem in skipped:
+        print(f"warning: {problem}; resuming from {path.name} instead", file=sys.stderr)
+    checkpoint.check_tokenizer(state["data_meta"], meta, f"run {cfg.run_dir}")
+    changes = check_resume(state["config"], cfg, cfg.run_dir, state["step"])
+    if changes:
+        print(f"resuming at step {state['step']} with changed settings: " + ", ".join(
+            f"{c['key']} {c['old']!r} -> {c['new']!r}" for c in changes), file=sys.stderr)
+    return state, changes
 
 
-def snapshot(cfg: Config, meta: dict, model, optimizer, scheduler, scaler, progress: dict) -> dict:
-    """Everything a resumed run needs, from the unwrapped module (never the DDP/placement wrapper)."""
+def snapshot(cfg: Config, meta: dict, model, optimizer, scaler, progress: dict) -> dict:
+    """Everything a resumed run needs, from the unwrapped module (never the DDP/placement wrapper). The
+    schedule is not stored: it is a function of the step and the config (so a new train.lr takes effect)."""
     return {"model": runtime.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": checkpoint.rng_state(),
+            "scaler": scaler.state_dict(), "rng": checkpoint.rng_state(),
             "progress": dict(progress), "step": progress["step"], "config": to_dict(cfg),
             "data_meta": {k: meta.get(k) for k in ("spm_sha256", "vocab_size", "normalization", "fingerprint")}}
 
@@ -186,7 +209,7 @@ class Session:
     rouge_refs: list | None = None  # valid references for ROUGE during training, read once
 
     def snapshot(self) -> dict:
-        return snapshot(self.cfg, self.meta, self.model, self.optimizer, self.scheduler, self.scaler, self.progress)
+        return snapshot(self.cfg, self.meta, self.model, self.optimizer, self.scaler, self.progress)
 
 
 def open_session(cfg: Config) -> Session:
@@ -194,16 +217,16 @@ def open_session(cfg: Config) -> Session:
     rt = runtime.setup(cfg)
     runtime.seed_everything(cfg.train.seed, cfg.train.deterministic)
     meta, tokenizer = read_meta(cfg.data.dir), open_tokenizer(cfg.data.dir)
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    latest = checkpoint.latest_path(cfg.run_dir)
-    state = checkpoint.load(latest) if latest is not None else None
-    if state is not None:
-        checkpoint.check_tokenizer(state["data_meta"], meta, f"run {cfg.run_dir}")
-    model, optimizer, scheduler, scaler = build(cfg, rt, meta, state)
+    if rt.is_main:
+        claim_dir(cfg.run_dir, "run", "run.dir", legacy=RUN_FILES, also=("overfit",))
+    state, changes = resume_state(cfg, meta)
+    model, optimizer, scaler = build(cfg, rt, meta, state)
     progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
     if state is not None:
-        progress = restore(state, optimizer, scheduler, scaler)
-        del state  # the weights now live in the model
+        checkpoint.set_rng_state(state["rng"])
+        progress = state["progress"]
+    del state  # the weights now live in the model
+    scheduler = build_scheduler(optimizer, cfg.train, progress["step"])
     model = runtime.wrap_ddp(model, rt)
     if cfg.train.compile:
         model = torch.compile(model)
@@ -220,13 +243,13 @@ def open_session(cfg: Config) -> Session:
         world_size=rt.world_size, even=False, pad_multiple=cfg.data.pad_multiple), cfg.data, rt.device, cfg.train.seed)
     if rt.is_main:
         save_config(cfg, cfg.run_dir / "config.yaml")
-        write_manifest(cfg, cfg.run_dir, rt.devices, rt.precision, meta, rt.world_size)
+        write_manifest(cfg, cfg.run_dir, rt.devices, rt.precision, meta, rt.world_size, changes)
     monitor = Monitor(cfg, rt.is_main, progress["step"], cfg.train.max_steps)
     monitor.write(f"model {count_parameters(model) / 1e6:.1f}M parameters, precision {rt.precision}, "
                   f"{len(train_ds)} train pairs, {len(valid_ds)} {valid_name} pairs, "
-                  f"{'resuming at step ' + str(progress['step']) if latest else 'starting'}")
+                  f"{'resuming at step ' + str(progress['step']) if progress['step'] else 'starting'}")
     return Session(cfg, rt, meta, tokenizer, model, optimizer, scheduler, scaler, progress, stream,
-                   valid_ds, valid_loader, monitor, latest is not None)
+                   valid_ds, valid_loader, monitor, progress["step"] > 0)
 
 
 def train(cfg: Config) -> dict:
@@ -275,7 +298,7 @@ def train(cfg: Config) -> dict:
         stop.restore()
         s.monitor.close()
     return {"steps": progress["step"], "best": progress["best"], "minutes": progress["elapsed_s"] / 60,
-            "run_dir": str(cfg.run_dir)}
+            "run_dir": str(cfg.run_dir), "signal": stop.signum}
 
 
 def after_step(s: Session, window: Window, out: dict, time_up: bool) -> bool:

@@ -69,7 +69,8 @@ def test_summarize_reads_stdin_and_writes_one_line_each(trained_tiny, monkeypatc
 
     from summarizer.__main__ import main
     _, args = trained_tiny
-    monkeypatch.setattr("sys.stdin", io.StringIO("The Mayor of Springfield opened 3 parks on Monday.\n\nSecond line\n"))
+    text = "The Mayor of Springfield opened 3 parks on Monday.\n\nSecond line\n"
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
     assert main(["summarize", *args]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and lines[1] == "" and lines[0]

@@ -167,13 +167,16 @@ def test_resume_after_sigkill_logs_exactly_the_uninterrupted_losses(tiny_data, t
 
 
 @pytest.mark.parametrize("sig, workers", [(signal.SIGTERM, 0), (signal.SIGINT, 2), (signal.SIGTERM, 2)])
-def test_signal_to_the_process_group_checkpoints_then_exits_cleanly(tiny_data, tmp_path, sig, workers):
-    # Ctrl-C and batch schedulers signal every process of the group, DataLoader workers included.
+def test_signal_to_the_process_group_checkpoints_then_exits_as_interrupted(tiny_data, tmp_path, sig, workers):
+    # Ctrl-C and batch schedulers signal every process of the group, DataLoader workers included. The run
+    # checkpoints, says how to resume, and exits 128 + signal (130, 143) so scripts do not go on as if it finished.
     proc = _launch(tiny_data, tmp_path / "run", "train.max_steps=100000", "train.ckpt_every=100000",
                    "train.eval_every=100000", f"data.num_workers={workers}", new_session=True)
     _wait_for(tmp_path / "run" / "metrics.jsonl", proc)
     os.killpg(proc.pid, sig)
-    assert proc.wait(timeout=600) == 0, proc.stdout.read().decode()[-2000:]
+    assert proc.wait(timeout=600) == 128 + sig, proc.stdout.read().decode()[-2000:]
+    output = proc.stdout.read().decode()
+    assert f"interrupted by {signal.Signals(sig).name}" in output and "again to resume" in output
     pointer = json.loads((tmp_path / "run" / "latest.json").read_text())
     assert pointer["step"] >= 5 and (tmp_path / "run" / pointer["checkpoint"]).exists()
 

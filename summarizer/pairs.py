@@ -1,0 +1,62 @@
+"""Pairs files (`.jsonl[.gz]`: `source`, `target`, optional `references`), read with one clear error per fault."""
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from summarizer.errors import DataError
+
+
+def numbered_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, raw bytes) of a text file, gunzipped when it ends in .gz; a file that is not
+    the gzip it claims to be, or is cut short, is a DataError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path} does not exist: check the path")
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as fh:
+            yield from enumerate(fh, start=1)
+    except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+        raise DataError(f"{path} is not a readable gzip file ({type(exc).__name__}: {exc}): it is truncated, "
+                        f"corrupt or not compressed; re-create it, or drop the .gz ending if it is plain "
+                        f"text") from None
+
+
+def parse_record(raw: bytes) -> dict | str:
+    """A JSON object from one line, or the reason it is not one."""
+    try:
+        record = json.loads(raw.decode("utf-8-sig", errors="replace"))
+    except json.JSONDecodeError as exc:
+        return f"malformed JSON: {exc.msg} at column {exc.colno}"
+    return record if isinstance(record, dict) else f"expected a JSON object, got {type(record).__name__}"
+
+
+def read_pairs_file(path: str | Path, need_target: bool = True) -> list[dict]:
+    """Every pair of a pairs file as {"source", "target", "references"} (references defaults to [target]).
+
+    Blank lines are skipped. A line that is not a JSON object, lacks a text `source` (or `target`, when
+    `need_target`), or whose `references` is not a list of texts, is an error naming file and line.
+    """
+    pairs = []
+    for number, raw in numbered_lines(path):
+        if not raw.strip():
+            continue
+        record = parse_record(raw)
+        if isinstance(record, str):
+            raise DataError(f"{path}:{number}: {record}: fix or remove that line")
+        fields = ("source", "target") if need_target else ("source",)
+        missing = [f for f in fields if not isinstance(record.get(f), str)]
+        if missing:
+            raise DataError(f"{path}:{number}: no text field {' or '.join(repr(f) for f in missing)} (it has "
+                            f"{sorted(record)}): a pairs file holds source, target and optional references")
+        refs = record.get("references") or ([record["target"]] if isinstance(record.get("target"), str) else [])
+        if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
+            raise DataError(f"{path}:{number}: 'references' must be a list of texts")
+        pairs.append({"source": record["source"], "target": record.get("target", ""), "references": refs})
+    if not pairs:
+        raise DataError(f"{path} holds no pairs: fill it with one JSON object per line")
+    return pairs

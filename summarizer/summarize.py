@@ -1,0 +1,60 @@
+"""`summarize`: raw text on stdin, one per line -> one summary per line on stdout, streamed in input order."""
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+
+from tqdm import tqdm
+
+from summarizer import runtime
+from summarizer.config import Config
+from summarizer.decoding import decode_all
+from summarizer.evaluate import eval_checkpoint, load_model
+from summarizer.prepared import open_tokenizer, read_meta
+
+CHUNK_LINES = 256  # lines read, decoded and written at a time: memory stays constant, output flows
+
+
+def decode_lines(raw_lines, warn) -> list[str]:
+    """Bytes lines -> text; undecodable bytes become U+FFFD and `warn(line_number)` is called for them."""
+    texts = []
+    for number, raw in raw_lines:
+        text = raw.decode("utf-8", errors="replace")
+        if "\ufffd" in text and "\ufffd".encode() not in raw:
+            warn(number)
+        texts.append(text.rstrip("\r\n"))
+    return texts
+
+
+def summarize_stream(cfg: Config, stdin, stdout) -> dict:
+    """Summaries of `stdin` (a binary stream) written to `stdout`, normalised the way the training data was.
+
+    Input is read CHUNK_LINES at a time, so a file of any size runs in constant memory; each chunk's
+    summaries are written and flushed in input order before the next is read. An empty line gives an
+    empty summary; a line with undecodable bytes is summarised with them replaced, and named on stderr.
+    """
+    rt = runtime.setup(cfg)
+    meta = read_meta(cfg.data.dir)
+    tokenizer = open_tokenizer(cfg.data.dir)
+    model, _ = load_model(eval_checkpoint(cfg), rt, meta)
+    norm = meta["normalization"]
+    numbered = enumerate(stdin, start=1)
+    bar = tqdm(unit=" lines", desc="summarize", file=sys.stderr, disable=None)
+    started, lines = time.perf_counter(), 0
+
+    def warn(number: int) -> None:
+        bar.write(f"warning: input line {number} is not valid UTF-8; undecodable bytes were replaced", file=sys.stderr)
+
+    while chunk := decode_lines(itertools.islice(numbered, CHUNK_LINES), warn):
+        sources = [tokenizer.encode_raw(text, norm)[:cfg.data.max_source_len] for text in chunk]
+        hyps = decode_all(model, sources, cfg.eval, rt)
+        stdout.write("".join((tokenizer.decode(h) if text.strip() else "") + "\n"
+                             for text, h in zip(chunk, hyps, strict=True)))
+        stdout.flush()
+        lines += len(chunk)
+        bar.update(len(chunk))
+    bar.close()
+    seconds = time.perf_counter() - started
+    print(f"summarized {lines} lines in {seconds:.1f} s ({lines / max(seconds, 1e-9):.1f} lines/s)", file=sys.stderr)
+    return {"lines": lines, "seconds": seconds}

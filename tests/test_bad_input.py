@@ -1,0 +1,200 @@
+"""What a user can get wrong: each mistake ends in one clear message (exit 2, no traceback) or the documented
+behaviour, and no file the user owns is ever changed. One test per row of the bad-input table in the README."""
+import gzip
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from data_prep.__main__ import main as prep
+from summarizer.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs/tiny.yaml")
+SMALL = ["model.d_model=32", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
+         "data.batch_tokens=400", "train.log_every=5", "train.eval_every=10", "train.ckpt_every=10",
+         "train.rouge_every=0", "train.select_by=loss", "train.warmup_steps=5", "train.sample_summaries=0",
+         "eval.bootstrap_samples=10"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("bad") / "data"
+    assert prep(["--config", TINY, f"data.dir={data_dir}"]) == 0
+    return data_dir
+
+
+def args(data, run_dir, *extra):
+    return ["--config", TINY, f"data.dir={data}", f"run.dir={run_dir}", f"run.tensorboard_dir={run_dir}/tb",
+            *SMALL, *extra]
+
+
+def error_of(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def snapshot(directory: Path) -> dict:
+    return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+# Row 1: the overfit check never deletes a directory it did not make for itself.
+def test_overfit_refuses_a_directory_of_the_users_files(data, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    assert main(["overfit", *args(data, mine)]) == 2
+    assert "did not write" in error_of(capsys) and snapshot(mine) == {Path("thesis.tex"): b"years of work"}
+
+
+def test_overfit_refuses_a_training_runs_directory(data, tmp_path, capsys):
+    assert main(["train", *args(data, tmp_path / "run", "train.max_steps=10")]) == 0
+    before = snapshot(tmp_path / "run")
+    assert main(["overfit", *args(data, tmp_path / "run")]) == 2
+    assert "not a overfit directory" in error_of(capsys) and snapshot(tmp_path / "run") == before
+
+
+# Row 2: prep never writes over its own input.
+def test_prep_refuses_to_write_into_its_source(tmp_path, capsys):
+    source = tmp_path / "raw"
+    shutil.copytree(ROOT / "tests/assets/tiny", source)
+    before = snapshot(source)
+    assert prep(["--config", TINY, f"data.source={source}", f"data.dir={source}"]) == 2
+    assert "equals or contains the input" in error_of(capsys) and snapshot(source) == before
+
+
+def test_prep_refuses_a_directory_of_the_users_files(tmp_path, capsys):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    assert prep(["--config", TINY, f"data.dir={target}"]) == 2
+    assert "did not write" in error_of(capsys) and snapshot(target) == {Path("notes.txt"): b"mine"}
+
+
+# Rows 3-5: resume compares the new config with the checkpoint's.
+@pytest.fixture
+def trained(data, tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", *args(data, run, "train.max_steps=10")]) == 0
+    return run
+
+
+def test_resume_with_a_new_learning_rate_uses_it_and_records_it(data, trained):
+    assert main(["train", *args(data, trained, "train.max_steps=20", "train.lr=0.0005")]) == 0
+    records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    lr_20 = next(r["lr"] for r in records if r["split"] == "train" and r["step"] == 20)
+    from summarizer.config import load_config
+    from summarizer.optim import lr_factor
+    cfg = load_config(TINY, [*SMALL, "train.lr=0.0005"])
+    assert lr_20 == pytest.approx(0.0005 * lr_factor(20, cfg.train), abs=1e-6)  # the new peak (logs round)
+    changes = json.loads((trained / "manifest.json").read_text())["config_changes"]
+    assert {"step": 10, "key": "train.lr", "old": 0.003, "new": 0.0005} in changes
+
+
+@pytest.mark.parametrize("override, old, new", [("model.dropout=0.3", "0.1", "0.3"),
+                                                ("model.activation=gelu", "'relu'", "'gelu'"),
+                                                ("model.d_model=48", "32", "48"),
+                                                ("model.bias=true", "False", "True"),
+                                                ("data.batch_tokens=600", "400", "600")])
+def test_resume_refuses_a_changed_model_or_batch_plan(data, trained, capsys, override, old, new):
+    config_before = (trained / "config.yaml").read_bytes()
+    assert main(["train", *args(data, trained, "train.max_steps=20", override)]) == 2
+    err = error_of(capsys)
+    assert f"{override.split('=')[0]}: {old} in the checkpoint, {new} now" in err and "run.name=NEW_NAME" in err
+    assert (trained / "config.yaml").read_bytes() == config_before  # nothing rewritten
+
+
+# Row 6: an unreadable checkpoint is reported; training resumes from the newest readable one.
+@pytest.mark.parametrize("content", [b"", b"just some text\n"])
+def test_unreadable_latest_checkpoint_falls_back_to_the_previous(data, tmp_path, capsys, content):
+    run = tmp_path / "run"
+    assert main(["train", *args(data, run, "train.max_steps=20", "train.keep_last=3")]) == 0
+    (run / "ckpt_00000020.pt").write_bytes(content)
+    capsys.readouterr()
+    assert main(["train", *args(data, run, "train.max_steps=25", "train.keep_last=3")]) == 0
+    err = error_of(capsys)
+    assert "ckpt_00000020.pt is unreadable" in err and "resuming from ckpt_00000010.pt instead" in err
+    assert json.loads((run / "latest.json").read_text())["step"] == 25
+
+
+def test_eval_with_an_unreadable_best_names_the_checkpoints_that_could_replace_it(data, trained, capsys):
+    (trained / "best.pt").write_bytes(b"")
+    assert main(["eval", *args(data, trained)]) == 2
+    err = error_of(capsys)
+    assert "best.pt is unreadable" in err and "ckpt_00000010.pt" in err and "eval.checkpoint=PATH" in err
+
+
+# Rows 7, 11, 13: settings and config files that cannot work are refused before any work.
+@pytest.mark.parametrize("override, message", [
+    ("eval.max_len=0", "eval.max_len must be positive"), ("eval.max_len=-3", "eval.max_len must be positive"),
+    ("eval.min_len=20", "eval.min_len (20) exceeds eval.max_len (5)"),
+    ("model.n_heads=0", "model.n_heads must be positive"), ("train.lr=-1", "train.lr must be positive"),
+    ("train.max_minutes=-5", "train.max_minutes must be >= 0"),
+])
+def test_impossible_settings_are_refused(data, tmp_path, capsys, override, message):
+    extra = ["eval.max_len=5"] if override.startswith("eval.min_len") else []
+    assert main(["eval", *args(data, tmp_path / "run", *extra, override)]) == 2
+    assert message in error_of(capsys)
+
+
+@pytest.mark.parametrize("content, message", [(b"", "is empty"), (b"train:\n  lr: 0.1\xff\n", "is not UTF-8"),
+                                              (None, "is a directory")])
+def test_bad_config_files_are_refused(tmp_path, capsys, content, message):
+    path = tmp_path / "c.yaml"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    assert main(["train", "--config", str(path)]) == 2
+    assert message in error_of(capsys)
+
+
+# Row 8: a broken gzip input is named, not a traceback.
+@pytest.mark.parametrize("content", [b"plain text, not gzip\n", None])
+def test_broken_gzip_input_is_named(tmp_path, capsys, content):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.jsonl").write_text((ROOT / "tests/assets/tiny/train.jsonl").read_text())
+    good = gzip.compress((ROOT / "tests/assets/tiny/test.jsonl").read_bytes())
+    (src / "test.jsonl.gz").write_bytes(content if content is not None else good[:len(good) // 2])  # or truncated
+    assert prep(["--config", TINY, f"data.source={src}", f"data.dir={tmp_path / 'out'}"]) == 2
+    assert "test.jsonl.gz is not a readable gzip file" in error_of(capsys)
+
+
+# Row 9: undecodable input lines are summarised with their bytes replaced, and named.
+def test_summarize_survives_non_utf8_input(data, trained, monkeypatch, capsys):
+    stdin = b"the mayor opened a park .\ncaf\xe9 owners protest new tax \xff\n\nlast line\n"
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    assert main(["summarize", *args(data, trained)]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert len(lines) == 4 and lines[0] and lines[1] and lines[2] == "" and lines[3]
+    assert "input line 2 is not valid UTF-8" in err and "Traceback" not in err
+
+
+# Row 10: output directories that are files or cannot be written.
+@pytest.mark.parametrize("key", ["data.dir", "run.dir"])
+def test_output_dir_that_is_a_file_is_refused(data, tmp_path, capsys, key):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file")
+    if key == "data.dir":
+        assert prep(["--config", TINY, f"data.dir={blocker}"]) == 2
+    else:
+        assert main(["train", *args(data, blocker, "train.max_steps=5")]) == 2
+    assert f"{key}={blocker} is an existing file" in error_of(capsys) and blocker.read_text() == "a file"
+
+
+def test_unwritable_output_dir_is_refused(data, tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
+    assert main(["train", *args(data, locked, "train.max_steps=5")]) == 2
+    assert "is not writable" in error_of(capsys)
+
+
+# Row 12: an interrupted run exits as shells expect, after its checkpoint (tests/test_train.py sends the signals).
