@@ -19,6 +19,7 @@ COMMANDS = {
 # The research harness: each module adds its own options (`add_arguments`) and runs its command (`cli`).
 HARNESS = {
     "compare": ("summarizer.compare", "ROUGE of two systems' predictions, B-A, bootstrap and randomization p-values"),
+    "average": ("summarizer.average", "average the weights of a run's last N step checkpoints"),
 }
 
 
