@@ -21,6 +21,7 @@ HARNESS = {
     "compare": ("summarizer.compare", "ROUGE of two systems' predictions, B-A, bootstrap and randomization p-values"),
     "average": ("summarizer.average", "average the weights of a run's last N step checkpoints"),
     "seeds": ("summarizer.seeds", "train and evaluate a config with seeds 1..N; mean and std of ROUGE"),
+    "report": ("summarizer.report", "a Markdown (or CSV) table of runs: config diff, steps, precision, ROUGE"),
 }
 
 
