@@ -75,8 +75,8 @@ def average_checkpoints(cfg: Config, last: int) -> tuple[Path, list[int]]:
     found = step_checkpoints(run_dir)
     if len(found) < last:
         raise CheckpointError(f"{run_dir} holds {len(found)} step checkpoint(s) (ckpt_*.pt), fewer than the "
-                              f"{last} asked for: lower --last (N), or train with train.keep_last={last} (now "
-                              f"{cfg.train.keep_last}) so that the last {last} are kept")
+                              f"{last} asked for: lower --last (N), or train with train.keep_last={last} or more "
+                              f"(a run keeps its newest train.keep_last, one per train.ckpt_every steps)")
     paths = found[-last:]
     averaged, newest = average_states(paths)
     state = {**newest, "model": averaged,
