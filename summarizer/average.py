@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from summarizer import checkpoint
 from summarizer.config import Config, load_config
@@ -43,7 +44,7 @@ def average_states(paths: list[Path]) -> tuple[dict, dict]:
     checkpoint in memory at a time, then casts each tensor back to its own dtype."""
     sums: dict[str, torch.Tensor] = {}
     first = newest = None
-    for path in paths:
+    for path in tqdm(paths, desc="average", unit="checkpoint", file=sys.stderr, leave=False):
         state = checkpoint.load(path)
         if first is None:
             first = {"config": state["config"], "data_meta": state["data_meta"]}
