@@ -10,11 +10,12 @@ TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 TB_PORT ?= 6006
 
-.PHONY: install check test prep train eval summarize overfit smoke bench tensorboard clean help
+.PHONY: install check test prep train eval summarize overfit smoke bench tensorboard clean help compare average seeds report
 
 help:
 	@echo "make install | check | test | prep | train | eval | summarize | overfit | smoke | bench | tensorboard | clean"
 	@echo "  CONFIG=$(CONFIG)  ARGS='key.sub=value ...'"
+	@echo "make compare A=PRED_A B=PRED_B REF=PAIRS_OR_SPLIT [OUT=DIR] | average N=5 | seeds N=3 | report [DIRS='dir ...'] [CSV=1]"
 
 install: $(VENV)/.installed
 
@@ -65,3 +66,17 @@ tensorboard: install
 
 clean:
 	rm -rf runs checkpoints/*/ data/tiny data/overfit .pytest_cache
+
+# The research harness (README, "Comparing against this baseline").
+compare: install
+	@test -n "$(A)" -a -n "$(B)" -a -n "$(REF)" || { echo "error: usage: make compare A=PRED_A B=PRED_B REF=PAIRS_OR_SPLIT [OUT=DIR]" >&2; exit 2; }
+	$(PY) -m summarizer compare $(A) $(B) --ref $(REF) --out $(or $(OUT),.)
+
+average: install
+	$(PY) -m summarizer average --config $(CONFIG) --last $(or $(N),5) $(ARGS)
+
+seeds: install
+	$(PY) -m summarizer seeds --config $(CONFIG) --n $(or $(N),3) $(ARGS)
+
+report: install
+	$(PY) -m summarizer report $(DIRS) $(if $(CSV),--csv)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import signal
 import sys
@@ -16,6 +17,13 @@ COMMANDS = {
     "bench": "measure what each training practice buys on this machine",
     "overfit": "train on a few pairs and fail unless the model memorises them",
 }
+# The research harness: each module adds its own options (`add_arguments`) and runs its command (`cli`).
+HARNESS = {
+    "compare": ("summarizer.compare", "ROUGE of two systems' predictions, B-A, bootstrap and randomization p-values"),
+    "average": ("summarizer.average", "average the weights of a run's last N step checkpoints"),
+    "seeds": ("summarizer.seeds", "train and evaluate a config with seeds 1..N; mean and std of ROUGE"),
+    "report": ("summarizer.report", "a Markdown (or CSV) table of runs: config diff, steps, precision, ROUGE"),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -25,10 +33,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("--config", help="YAML experiment file (see configs/)")
         cmd.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, applied in order")
+    for name, (module, text) in HARNESS.items():
+        importlib.import_module(module).add_arguments(sub.add_parser(name, help=text, description=text))
     return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.command in HARNESS:
+        return importlib.import_module(HARNESS[args.command][0]).cli(args)
     cfg = load_config(args.config, args.overrides)
     if args.command == "train":
         from summarizer.runtime import teardown

@@ -48,15 +48,16 @@ def read_pairs_file(path: str | Path, need_target: bool = True) -> list[dict]:
         record = parse_record(raw)
         if isinstance(record, str):
             raise DataError(f"{path}:{number}: {record}: fix or remove that line")
-        fields = ("source", "target") if need_target else ("source",)
-        missing = [f for f in fields if not isinstance(record.get(f), str)]
-        if missing:
-            raise DataError(f"{path}:{number}: no text field {' or '.join(repr(f) for f in missing)} (it has "
-                            f"{sorted(record)}): a pairs file holds source, target and optional references")
         refs = record.get("references") or ([record["target"]] if isinstance(record.get("target"), str) else [])
         if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
             raise DataError(f"{path}:{number}: 'references' must be a list of texts")
-        pairs.append({"source": record["source"], "target": record.get("target", ""), "references": refs})
+        missing = [f for f, ok in (("source", isinstance(record.get("source"), str)), ("target", bool(refs)))
+                   if not ok and (f == "source" or need_target)]
+        if missing:
+            raise DataError(f"{path}:{number}: no text field {' or '.join(repr(f) for f in missing)} (it has "
+                            f"{sorted(record)}): a pairs file holds source, target and optional references")
+        pairs.append({"source": record["source"], "target": record.get("target") or (refs[0] if refs else ""),
+                      "references": refs})
     if not pairs:
         raise DataError(f"{path} holds no pairs: fill it with one JSON object per line")
     return pairs

@@ -1,0 +1,220 @@
+"""The runs table: each run's config diff from the recipe, steps, time, precision, commit, ROUGE (Markdown or CSV)."""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from summarizer import checkpoint
+from summarizer.config import load_config, to_dict
+from summarizer.errors import ConfigError, UserError
+from summarizer.scoring import ROUGE_TYPES
+
+DEFAULT_ROOT = Path("checkpoints")
+DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "base.yaml"
+# Bookkeeping, not part of the experiment: names and paths of what a run reads and writes, and the
+# sections `train` does not read. Everything else that differs from the recipe is listed.
+IGNORED_KEYS = ("run.name", "run.dir", "run.tensorboard_dir", "data.dir", "eval.out_dir", "eval.checkpoint")
+IGNORED_SECTIONS = ("bench", "overfit")
+COLUMNS = ("run", "differs from recipe", "steps", "minutes", "precision", "device", "commit", "eval",
+           "ROUGE-1", "ROUGE-2", "ROUGE-L", "sentences/s")
+
+
+class ReportError(UserError):
+    """There is no run to report on."""
+
+
+def _flat(config: dict) -> dict:
+    return {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
+            for key, value in values.items()}
+
+
+def _show(value) -> str:
+    """A value as it would be written in a `key=value` override."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, dict)):
+        return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
+    return str(value)
+
+
+def config_diff(config_path: Path, recipe: dict) -> list[str]:
+    """`key=value` for every setting of the run's config.yaml that differs from the recipe (flattened
+    `load_config` dicts); a config this code no longer reads is compared as raw YAML."""
+    try:
+        run = _flat(to_dict(load_config(config_path)))
+    except ConfigError as exc:
+        print(f"note: {config_path}: {exc}; compared as written", file=sys.stderr)
+        try:
+            raw = yaml.safe_load(config_path.read_text())
+        except yaml.YAMLError:
+            return ["(config.yaml unreadable)"]
+        run = _flat(raw if isinstance(raw, dict) else {})
+    diff = []
+    for key in sorted(set(run) | set(recipe)):
+        if key in IGNORED_KEYS or key.split(".")[0] in IGNORED_SECTIONS or run.get(key) == recipe.get(key):
+            continue
+        diff.append(f"{key}={_show(run[key])}" if key in run else f"{key}=(absent)")
+    return diff
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a kill: the others still count
+    return records
+
+
+def _progress(run_dir: Path) -> dict | None:
+    """The latest checkpoint's progress (step, elapsed_s), memory-mapped so the weights are not read."""
+    path = checkpoint.latest_path(run_dir)
+    if path is None:
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["progress"]
+    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, KeyError, TypeError):
+        return None
+
+
+def _rouge(run_dir: Path, records: list[dict]) -> dict:
+    """ROUGE F of the run's evaluation (rouge.json), else its best valid ROUGE-1 record from training."""
+    report = _read_json(run_dir / "rouge.json")
+    if report and all(kind in report for kind in ROUGE_TYPES):
+        settings = report.get("settings", {})
+        return {"rouge_from": "eval", "eval_split": settings.get("split"), "eval_pairs": settings.get("pairs"),
+                "sentences_per_s": report.get("sentences_per_s"),
+                **{kind: report[kind]["f"] for kind in ROUGE_TYPES},
+                **{f"{kind}_ci": report[kind].get("f_ci") for kind in ROUGE_TYPES}}
+    valid = [r for r in records if r.get("split") == "valid" and r.get("rouge1") is not None]
+    if not valid:
+        return {"rouge_from": None}
+    best = max(valid, key=lambda r: r["rouge1"])
+    return {"rouge_from": "valid", "valid_step": best["step"], **{kind: best.get(kind) for kind in ROUGE_TYPES}}
+
+
+def run_row(run_dir: Path, recipe: dict) -> dict:
+    """Everything the table shows about one run, as plain values."""
+    records = _metrics(run_dir / "metrics.jsonl")
+    manifest = _read_json(run_dir / "manifest.json") or {}
+    pointer = _read_json(run_dir / checkpoint.LATEST) or {}
+    progress = _progress(run_dir) or {}
+    steps = pointer.get("step", progress.get("step"))
+    if steps is None and records:
+        steps = max(r["step"] for r in records)
+    devices = list(dict.fromkeys(manifest.get("devices") or []))
+    return {"run": run_dir.name, "path": str(run_dir), "differs": config_diff(run_dir / "config.yaml", recipe),
+            "steps": steps, "minutes": progress["elapsed_s"] / 60 if "elapsed_s" in progress else None,
+            "precision": manifest.get("precision"), "device": ", ".join(devices) or None,
+            "world_size": manifest.get("world_size"), "commit": manifest.get("git_commit") or None,
+            "dirty": manifest.get("git_dirty"), **_rouge(run_dir, records)}
+
+
+def find_run_dirs(dirs: list[str], root: Path) -> list[Path]:
+    """The given dirs, or every dir under `root`; those without a config.yaml are skipped with a note."""
+    if dirs:
+        candidates = [Path(d) for d in dirs]
+    elif not root.is_dir():
+        raise ReportError(f"{root}/ does not exist: train a run first (`make train`), or name run dirs: "
+                          f"make report DIRS=\"dir ...\"")
+    else:
+        candidates = sorted(p for p in root.iterdir() if p.is_dir())
+    runs = []
+    for path in candidates:
+        if (path / "config.yaml").is_file():
+            runs.append(path)
+        else:
+            why = "does not exist" if not path.exists() else "is not a run dir (no config.yaml)"
+            print(f"note: skipped {path}: {why}", file=sys.stderr)
+    if not runs:
+        where = ", ".join(dirs) if dirs else f"{root}/"
+        raise ReportError(f"no run dirs in {where}: a run dir holds the config.yaml that `make train` writes; "
+                          f"train a run first, or name run dirs: make report DIRS=\"dir ...\"")
+    return runs
+
+
+def collect(dirs: list[str], root: Path = DEFAULT_ROOT, recipe_path: Path = DEFAULT_RECIPE) -> list[dict]:
+    recipe = _flat(to_dict(load_config(recipe_path)))
+    return [run_row(path, recipe) for path in find_run_dirs(dirs, root)]
+
+
+def _cell(row: dict, kind: str) -> str:
+    value = row.get(kind)
+    if value is None:
+        return "—"
+    if row["rouge_from"] == "valid":
+        return f"{value:.1f} (valid)"
+    ci = row.get(f"{kind}_ci")
+    return f"{value:.1f} [{ci[0]:.1f}–{ci[1]:.1f}]" if ci else f"{value:.1f}"
+
+
+def markdown_cells(row: dict) -> list[str]:
+    commit = (row["commit"] or "")[:8] + (" (dirty)" if row["dirty"] else "") if row["commit"] else "—"
+    device = row["device"] or "—"
+    if (row["world_size"] or 1) > 1:
+        device = f"{row['world_size']}× {device}"
+    evaluated = f"{row['eval_split']} ({row['eval_pairs']})" if row["rouge_from"] == "eval" else (
+        f"valid, step {row['valid_step']}" if row["rouge_from"] == "valid" else "—")
+    return [row["run"], ", ".join(row["differs"]) or "(recipe)",
+            f"{row['steps']:,}" if row["steps"] is not None else "—",
+            f"{row['minutes']:.1f}" if row["minutes"] is not None else "—", row["precision"] or "—", device,
+            commit, evaluated, *(_cell(row, kind) for kind in ROUGE_TYPES),
+            f"{row['sentences_per_s']:.0f}" if row.get("sentences_per_s") else "—"]
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in markdown_cells(row)) + " |")
+    return "\n".join(lines)
+
+
+def csv_text(rows: list[dict]) -> str:
+    """One line per run, numbers unformatted; ROUGE intervals in their own columns."""
+    fields = ["run", "path", "differs", "steps", "minutes", "precision", "device", "world_size", "commit", "dirty",
+              "rouge_from", "eval_split", "eval_pairs", "valid_step"]
+    for kind in ROUGE_TYPES:
+        fields += [kind, f"{kind}_low", f"{kind}_high"]
+    fields.append("sentences_per_s")
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        flat = {**row, "differs": " ".join(row["differs"])}
+        for kind in ROUGE_TYPES:
+            ci = row.get(f"{kind}_ci") or [None, None]
+            flat[f"{kind}_low"], flat[f"{kind}_high"] = ci
+        writer.writerow(flat)
+    return out.getvalue()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dirs", nargs="*", metavar="DIR", help=f"run dirs (default: every dir under {DEFAULT_ROOT}/)")
+    parser.add_argument("--csv", action="store_true", help="write CSV instead of a Markdown table")
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="where run dirs are looked for (checkpoints)")
+    parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE,
+                        help="config the runs are compared against (configs/base.yaml)")
+
+
+def cli(args: argparse.Namespace) -> int:
+    rows = collect(args.dirs, args.root, args.recipe)
+    sys.stdout.write(csv_text(rows) if args.csv else markdown(rows) + "\n")
+    return 0

@@ -1,0 +1,136 @@
+import gzip
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from summarizer.compare import CompareError, compare, pair_scores, permutation_means, significance
+from summarizer.scoring import rouge_report
+
+TINY = Path(__file__).parent / "assets" / "tiny"
+TEST_PAIRS = [json.loads(line) for line in (TINY / "test.jsonl").read_text().splitlines()]
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def systems(tmp_path_factory):
+    """`good` copies each reference; `bad` is five random words from other headlines."""
+    tmp = tmp_path_factory.mktemp("compare")
+    rng = random.Random(0)
+    words = [w for p in TEST_PAIRS for w in p["target"].split()]
+    good = write_lines(tmp / "good.txt", [p["target"] for p in TEST_PAIRS])
+    bad = write_lines(tmp / "bad.txt", [" ".join(rng.sample(words, 5)) for _ in TEST_PAIRS])
+    half = write_lines(tmp / "half.txt", [" ".join(p["target"].split()[:3]) for p in TEST_PAIRS])
+    return tmp, good, bad, half
+
+
+def test_identical_systems_differ_by_zero_with_p_one(systems):
+    tmp, _, _, half = systems
+    report = compare(str(half), str(half), str(TINY / "test.jsonl"), tmp / "same", samples=500)
+    for m in report["metrics"].values():
+        assert m["diff"] == 0 and m["diff_ci"] == [0, 0]
+        assert m["bootstrap_p"] == 1 and m["permutation_p"] == 1
+
+
+def test_references_beat_random_words_significantly(systems):
+    tmp, good, bad, _ = systems
+    report = compare(str(bad), str(good), str(TINY / "test.jsonl"), tmp, samples=2000)
+    assert json.loads((tmp / "compare.json").read_text()) == report
+    for m in report["metrics"].values():
+        assert m["b"] == pytest.approx(100) and m["diff"] > 50 and m["diff_ci"][0] > 0
+        # nothing as extreme in any sample: the add-one smoothed p is its floor 1/(R+1)
+        assert m["bootstrap_p"] == m["permutation_p"] == pytest.approx(1 / 2001)
+        assert m["b_wins"] == 1.0
+
+
+def test_same_seed_same_numbers_other_seed_other_numbers(systems):
+    tmp, _, bad, half = systems
+    runs = [compare(str(bad), str(half), str(TINY / "test.jsonl"), tmp / f"s{i}", samples=300, seed=seed)
+            for i, seed in enumerate((7, 7, 8))]
+    assert runs[0]["metrics"] == runs[1]["metrics"]
+    assert runs[0]["metrics"]["rouge1"]["diff_ci"] != runs[2]["metrics"]["rouge1"]["diff_ci"]
+    assert runs[0]["metrics"]["rouge1"]["diff"] == runs[2]["metrics"]["rouge1"]["diff"]  # not a sample
+
+
+def test_pair_scores_average_to_rouge_report():
+    preds = ["talks on UNK deal", "police arrest suspect", "storm cuts power to thousands"]
+    refs = [["talks on <unk> deal"], ["storm hits", "police arrest a suspect"], ["power cut"]]
+    scores = pair_scores(preds, refs)  # (pairs, type, p/r/f)
+    report = rouge_report(preds, refs, samples=0)
+    for j, kind in enumerate(("rouge1", "rouge2", "rougeL")):
+        assert 100 * scores[:, j, 2].mean() == pytest.approx(report[kind]["f"])
+
+
+def test_randomization_is_symmetric_around_zero_and_p_is_smoothed():
+    rng = np.random.default_rng(0)
+    diffs = rng.normal(0.0, 1.0, size=(200, 3))
+    perm = permutation_means(diffs, 4000, np.random.default_rng(1))
+    assert abs(perm.mean()) < 0.02 and perm.std(axis=0) == pytest.approx(np.sqrt((diffs**2).mean(0) / 200), rel=0.1)
+    result = significance(np.zeros((200, 3)), diffs / 100, samples=999, seed=3)
+    for m in result.values():
+        assert 1 / 1000 <= m["permutation_p"] <= 1 and 1 / 1000 <= m["bootstrap_p"] <= 1
+        assert (m["permutation_p"] * 1000) == pytest.approx(round(m["permutation_p"] * 1000))
+
+
+def test_references_from_prepared_split_and_gzip(systems, tiny_prepared, tmp_path):
+    _, good, bad, _ = systems
+    prepared = compare(str(bad), str(good), f"{tiny_prepared}:test", tmp_path / "a", samples=50)
+    gz = tmp_path / "refs.jsonl.gz"
+    with gzip.open(gz, "wt", encoding="utf-8") as fh:
+        fh.writelines(json.dumps({"source": p["source"], "references": ["x", p["target"]]}) + "\n"
+                      for p in TEST_PAIRS)
+    zipped = compare(str(bad), str(good), str(gz), tmp_path / "b", samples=50)
+    direct = compare(str(bad), str(good), str(tiny_prepared / "test.jsonl"), tmp_path / "c", samples=50)
+    assert prepared["pairs"] == zipped["pairs"] == direct["pairs"] == 40
+    assert prepared["metrics"] == direct["metrics"]
+    assert zipped["metrics"]["rouge1"]["b"] == pytest.approx(100)  # best of the references
+
+
+def test_eval_output_dir_is_accepted(systems, tmp_path):
+    _, good, bad, _ = systems
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "predictions.txt").write_text(good.read_text())
+    report = compare(str(bad), str(tmp_path / "run"), str(TINY / "test.jsonl"), tmp_path, samples=10)
+    assert report["b"] == str(tmp_path / "run" / "predictions.txt")
+
+
+def test_line_count_mismatch_names_both_files(systems, tmp_path, capsys):
+    from summarizer.__main__ import main
+    _, good, _, _ = systems
+    short = write_lines(tmp_path / "short.txt", ["a"] * 39)
+    assert main(["compare", str(short), str(good), "--ref", str(TINY / "test.jsonl"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(short) in err and str(good) in err and "39" in err and "40" in err
+    assert main(["compare", str(good), str(good), "--ref", str(TINY / "train.jsonl"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "train.jsonl" in err and "300" in err and "40" in err and "Traceback" not in err
+
+
+def test_user_mistakes_end_in_one_clear_message(systems, tmp_path, capsys):
+    from summarizer.__main__ import main
+    _, good, _, _ = systems
+    ref = str(TINY / "test.jsonl")
+    no_target = tmp_path / "no_target.jsonl"
+    no_target.write_text("".join(json.dumps({"source": p["source"]}) + "\n" for p in TEST_PAIRS))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    cases = {"does not exist": [str(tmp_path / "nope.txt"), str(good), "--ref", ref],
+             "no text field 'target'": [str(good), str(good), "--ref", str(no_target)],
+             "is empty": [str(empty), str(good), "--ref", ref],
+             "references": [str(good), str(good), "--ref", str(tmp_path / "nothing:test")],
+             "without predictions.txt": [str(tmp_path), str(good), "--ref", ref],
+             "--samples": [str(good), str(good), "--ref", ref, "--samples", "0"]}
+    for needle, argv in cases.items():
+        assert main(["compare", *argv, "--out", str(tmp_path / "out")]) == 2, needle
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and needle in err and "Traceback" not in err
+    clash = tmp_path / "compare.json"
+    clash.write_text(good.read_text())
+    with pytest.raises(CompareError, match="one of the inputs"):
+        compare(str(clash), str(good), ref, tmp_path, samples=1)

@@ -1,0 +1,104 @@
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from summarizer import checkpoint
+from summarizer.config import load_config, save_config
+from summarizer.monitor import write_manifest
+from summarizer.report import collect, markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ROOT / "configs" / "base.yaml"
+
+
+def make_run(root: Path, name: str, overrides: list[str], valid_rouge: list[float], evaluated: bool) -> Path:
+    """A run dir as train and eval write it: config.yaml, manifest.json, metrics.jsonl, checkpoint + pointer."""
+    cfg = load_config(BASE, [f"run.name={name}", f"run.dir={root / name}", "data.dir=data/elsewhere", *overrides])
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True)
+    save_config(cfg, run_dir / "config.yaml")
+    write_manifest(cfg, run_dir, [torch.device("cpu")], "bf16", {"spm_sha256": "x"}, 1)
+    records = [{"step": 50, "split": "train", "loss": 5.0}]
+    records += [{"step": 100 * (i + 1), "split": "valid", "loss": 4.0, "rouge1": r, "rouge2": r / 3,
+                 "rougeL": r - 2} for i, r in enumerate(valid_rouge)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    progress = {"step": 300, "epoch": 1, "position": 0, "elapsed_s": 750.0, "best": None, "bad_evals": 0}
+    checkpoint.save_step({"step": 300, "progress": progress, "model": {"w": torch.zeros(2)}}, run_dir, 2)
+    if evaluated:
+        report = {k: {"f": f, "p": f, "r": f, "f_ci": [f - 1.2, f + 1.1]}
+                  for k, f in (("rouge1", 35.7), ("rouge2", 15.9), ("rougeL", 33.5))}
+        report.update(settings={"split": "test", "pairs": 2000}, sentences_per_s=103.4)
+        (run_dir / "rouge.json").write_text(json.dumps(report))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    make_run(root, "lr2e-3", ["train.lr=0.002", "model.copy=false", "bench.repeats=9"], [30.0, 34.0], True)
+    make_run(root, "recipe", [], [30.0, 35.14, 33.0], False)
+    make_run(root, "untested", ["train.rouge_every=0", "train.select_by=loss"], [], False)
+    (root / "junk").mkdir()
+    (root / "seeds_x.json").write_text("{}")
+    return root
+
+
+def test_markdown_table_shows_diff_progress_provenance_and_rouge(runs, capsys):
+    from summarizer.__main__ import main
+    assert main(["report", "--root", str(runs)]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("| run | differs from recipe | steps | minutes |") and len(lines) == 5
+    evaluated = next(line for line in lines if line.startswith("| lr2e-3 "))
+    cells = [c.strip() for c in evaluated.strip("|").split("|")]
+    assert cells[1] == "model.copy=false, train.lr=0.002"  # no run.*/data.dir bookkeeping, no bench section
+    assert cells[2:5] == ["300", "12.5", "bf16"]
+    assert cells[6].endswith("(dirty)") or len(cells[6]) == 8  # commit of this checkout, dirty or not
+    assert cells[7:] == ["test (2000)", "35.7 [34.5–36.8]", "15.9 [14.7–17.0]", "33.5 [32.3–34.6]", "103"]
+    assert "note: skipped" in captured.err and "junk" in captured.err and "seeds_x" not in captured.err
+
+
+def test_a_run_without_evaluation_shows_its_best_valid_rouge_marked(runs, capsys):
+    rows = {row["run"]: row for row in collect([], runs)}
+    table = markdown(list(rows.values()))
+    line = next(line for line in table.splitlines() if line.startswith("| recipe "))
+    assert "(recipe)" in line and "35.1 (valid)" in line and "11.7 (valid)" in line and "valid, step 200" in line
+    untested = next(line for line in table.splitlines() if line.startswith("| untested "))
+    assert "train.rouge_every=0, train.select_by=loss" in untested and untested.count("—") >= 4
+
+
+def test_csv_has_one_row_per_run_with_raw_numbers(runs, capsys):
+    from summarizer.__main__ import main
+    assert main(["report", str(runs / "lr2e-3"), str(runs / "recipe"), "--csv"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [r["run"] for r in rows] == ["lr2e-3", "recipe"]
+    assert float(rows[0]["rouge1_low"]) == pytest.approx(34.5) and rows[0]["rouge_from"] == "eval"
+    assert rows[1]["rouge_from"] == "valid" and float(rows[1]["rouge1"]) == pytest.approx(35.14)
+    assert float(rows[0]["minutes"]) == 12.5 and rows[0]["differs"] == "model.copy=false train.lr=0.002"
+
+
+def test_empty_or_missing_checkpoints_dir_fails_clearly(tmp_path, capsys):
+    from summarizer.__main__ import main
+    assert main(["report", "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no run dirs in") and "make report DIRS=" in err and "Traceback" not in err
+    assert main(["report", "--root", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "skipped" in capsys.readouterr().err
+
+
+def test_a_config_this_code_no_longer_reads_is_diffed_as_written(runs, tmp_path, capsys):
+    old = tmp_path / "old"
+    old.mkdir()
+    text = (runs / "recipe" / "config.yaml").read_text().replace("\ntrain:\n", "\ntrain:\n  retired_key: 3\n", 1)
+    (old / "config.yaml").write_text(text)
+    [row] = collect([str(old)])
+    assert row["differs"] == ["train.retired_key=3"] and "retired_key" in capsys.readouterr().err
+    assert row["steps"] is None and row["rouge_from"] is None
+    (old / "config.yaml").write_text("train: [\n")
+    assert collect([str(old)])[0]["differs"] == ["(config.yaml unreadable)"]

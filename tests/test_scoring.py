@@ -1,0 +1,65 @@
+import json
+
+import pytest
+
+from summarizer.scoring import pair_scores, quality, rouge_report, truncate_bytes, unify_unk
+
+
+def test_rouge_of_a_text_against_itself_is_100():
+    texts = ["police arrest suspect in bank robbery", "storm cuts power to thousands"]
+    report = rouge_report(texts, [[t] for t in texts], samples=50)
+    for kind in ("rouge1", "rouge2", "rougeL"):
+        assert report[kind]["f"] == pytest.approx(100.0)
+        assert report[kind]["f_ci"] == pytest.approx([100.0, 100.0])
+
+
+def test_multi_reference_takes_the_best_reference():
+    pred = ["police arrest suspect"]
+    single = rouge_report(pred, [["storm cuts power"]], samples=10)
+    multi = rouge_report(pred, [["storm cuts power", "police arrest suspect"]], samples=10)
+    assert single["rouge1"]["f"] == 0.0 and multi["rouge1"]["f"] == pytest.approx(100.0)
+
+
+def test_unk_spellings_score_alike():
+    assert unify_unk("a UNK b <unk> c") == "a unk b unk c"
+    assert unify_unk("UNKNOWN <unk>s") == "UNKNOWN <unk>s"
+    report = rouge_report(["talks on UNK deal"], [["talks on <unk> deal"]], samples=10)
+    assert report["rouge1"]["f"] == pytest.approx(100.0)
+
+
+def test_confidence_interval_brackets_the_mean():
+    preds = ["a b c", "a b d", "x y z", "a q c", "b c d"]
+    refs = [["a b c"], ["a b c"], ["a b c"], ["a b c"], ["a b c"]]
+    r = rouge_report(preds, refs, samples=200)["rouge1"]
+    assert r["f_ci"][0] <= r["f"] <= r["f_ci"][1] and r["f_ci"][0] < r["f_ci"][1]
+    assert json.dumps(r)  # plain floats, serialisable
+
+
+def test_truncation_never_splits_a_character():
+    text = "zürich café ñandú 東京"  # 1-, 2- and 3-byte characters
+    for limit in range(len(text.encode()) + 2):
+        cut = truncate_bytes(text, limit or 1)
+        assert text.startswith(cut) and len(cut.encode()) <= max(limit, 1)
+    assert truncate_bytes("zürich", 2) == "z" and truncate_bytes("zürich", 3) == "zü"  # ü is 2 bytes
+    assert truncate_bytes("abc", 0) == "abc"  # 0 = no limit
+
+
+def test_recall_picks_the_reference_with_the_best_recall():
+    pred = ["police arrest suspect in robbery"]
+    refs = [["police arrest suspect in bank robbery downtown today", "police arrest suspect"]]
+    by_f, by_r = pair_scores(pred, refs, "f")[0, 0], pair_scores(pred, refs, "r")[0, 0]  # rouge1: p, r, f
+    assert by_r[1] == pytest.approx(1.0) and by_f[1] < 1.0  # the short reference is all recalled
+    report = rouge_report(pred, refs, samples=20, measure="r")
+    assert report["rouge1"]["r"] == pytest.approx(100.0) and report["rouge1"]["r_ci"] == pytest.approx([100, 100])
+
+
+def test_quality_rates_on_hand_made_cases():
+    known = {"police", "arrest", "suspect", "in", "robbery", "bank"}
+    predictions = ["police arrest suspect", "police arrest supercomput", "bank bank robbery", "arrest zorblat"]
+    sources = [[["police", "held", "a", "man"]], [["a", "man"]], [["bank"]], [["zorblat", "arrested"]]]
+    references = [["police arrest man"], ["a b c d e"], ["bank robbery"], ["x"]]
+    rates = quality(predictions, sources, references, known)
+    assert rates["nonword_rate"] == pytest.approx(25.0)  # "supercomput"; "zorblat" is in its own source
+    assert rates["repeat_rate"] == pytest.approx(25.0)  # "bank bank"
+    assert rates["words_per_prediction"] == pytest.approx(2.75)
+    assert rates["words_per_reference"] == pytest.approx((3 + 5 + 2 + 1) / 4)

@@ -1,0 +1,108 @@
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from summarizer import seeds
+from summarizer.config import load_config
+from summarizer.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.d_model=32", "model.ffn_dim=64", "model.encoder_layers=1", "model.decoder_layers=1",
+         "train.max_steps=4", "train.eval_every=2", "train.ckpt_every=2", "train.log_every=2",
+         "train.warmup_steps=2", "train.sample_summaries=0", "data.batch_tokens=400",
+         "eval.beam_size=1", "eval.max_len=8", "eval.limit=8", "eval.bootstrap_samples=10",
+         "eval.lead_baselines=[8]"]
+
+
+@pytest.fixture(scope="module")
+def two_seeds(tmp_path_factory):
+    from data_prep.__main__ import main as prep
+    from summarizer.__main__ import main
+    tmp = tmp_path_factory.mktemp("seeds")
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tmp / 'data'}", f"run.dir={tmp / 'run'}",
+            f"run.tensorboard_dir={tmp / 'tb'}", *SMALL]
+    assert prep(args[:4]) == 0
+    assert main(["seeds", *args, "--n", "2"]) == 0
+    return tmp, args
+
+
+def cfg_of(args, *extra):
+    return load_config(args[1], [*args[2:], *extra])
+
+
+def test_each_seed_is_its_own_run_and_the_summary_is_their_mean_and_std(two_seeds, capsys):
+    tmp, _ = two_seeds
+    values = []
+    for seed in (1, 2):
+        run_dir = tmp / f"run-seed{seed}"
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+        assert config["train"]["seed"] == seed and config["run"]["name"] == f"tiny-seed{seed}"
+        report = json.loads((run_dir / "rouge.json").read_text())
+        assert report["settings"]["checkpoint"]["path"].endswith("best.pt")
+        values.append([report[k]["f"] for k in ("rouge1", "rouge2", "rougeL")])
+    summary = json.loads((tmp / "seeds_tiny.json").read_text())
+    assert summary["seeds"] == [1, 2] and summary["eval"]["pairs"] == 8
+    for j, kind in enumerate(("rouge1", "rouge2", "rougeL")):
+        column = np.array(values)[:, j]
+        assert summary["mean"][kind] == pytest.approx(column.mean())
+        assert summary["std"][kind] == pytest.approx(column.std(ddof=1))
+
+
+def test_a_rerun_redoes_nothing_finished(two_seeds, monkeypatch):
+    tmp, args = two_seeds
+    before = json.loads((tmp / "seeds_tiny.json").read_text())
+
+    def refuse(cfg):
+        raise AssertionError(f"{cfg.run.name} was redone")
+    monkeypatch.setattr(seeds, "train", refuse)
+    monkeypatch.setattr(seeds, "evaluate", refuse)
+    summary, path = seeds.run_seeds(cfg_of(args), 2)
+    assert path == tmp / "seeds_tiny.json" and summary == before
+
+
+def test_only_missing_or_stale_evaluations_are_redone(two_seeds, monkeypatch):
+    tmp, args = two_seeds
+    calls = []
+
+    def counted(cfg):
+        calls.append(cfg.run.name)
+        return real(cfg)
+    real = seeds.evaluate
+    monkeypatch.setattr(seeds, "train", lambda cfg: pytest.fail("training finished; must not resume"))
+    monkeypatch.setattr(seeds, "evaluate", counted)
+    (tmp / "run-seed2" / "rouge.json").unlink()
+    seeds.run_seeds(cfg_of(args), 2)
+    assert calls == ["tiny-seed2"]
+    seeds.run_seeds(cfg_of(args, "eval.limit=6"), 2)  # other eval settings: both evaluated again
+    assert calls == ["tiny-seed2", "tiny-seed1", "tiny-seed2"]
+    assert json.loads((tmp / "seeds_tiny.json").read_text())["eval"]["pairs"] == 6
+
+
+def test_an_unfinished_run_is_resumed(two_seeds):
+    _, args = two_seeds
+    assert seeds.training_finished(seeds.seed_config(cfg_of(args), 1)) == 4
+    assert seeds.training_finished(seeds.seed_config(cfg_of(args, "train.max_steps=9"), 1)) is None
+    t = cfg_of(args, "train.max_minutes=1", "train.patience=2").train
+    base = {"step": 3, "elapsed_s": 10.0, "bad_evals": 0}
+    assert not seeds.is_finished(base, t)  # stopped by a signal or a kill
+    assert seeds.is_finished({**base, "elapsed_s": 60.0}, t)
+    assert seeds.is_finished({**base, "bad_evals": 2}, t)
+    assert seeds.is_finished({**base, "step": 4}, t)
+
+
+def test_bad_requests_are_refused_clearly(two_seeds, capsys):
+    from summarizer.__main__ import main
+    _, args = two_seeds
+    assert main(["seeds", *args, "--n", "0"]) == 2
+    assert "--n must be at least 1" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="drop eval.checkpoint"):
+        seeds.seed_config(cfg_of(args, "eval.checkpoint=x.pt"), 1)
+
+
+def test_one_seed_has_no_std():
+    runs = [{"seed": 1, "rouge1": 30.0, "rouge2": 10.0, "rougeL": 28.0}]
+    summary = seeds.summarize_seeds("x", runs)
+    assert summary["mean"]["rouge1"] == 30.0 and summary["std"]["rouge1"] is None
