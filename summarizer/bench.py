@@ -17,7 +17,7 @@ from summarizer.config import Config, from_dict, to_dict
 from summarizer.data import PairDataset, TokenBatchSampler, make_loader, padding_fraction
 from summarizer.decoding import decode_all
 from summarizer.outputs import atomic_write, claim_dir
-from summarizer.prepared import read_meta, valid_split
+from summarizer.prepared import lexicon, read_meta, valid_split
 from summarizer.train import batches_forever, build, to_device, train_step
 
 
@@ -132,7 +132,7 @@ def decode_rate(cfg: Config, use_cache: bool) -> dict:
     rates = []
     for repeat in range(cfg.bench.warmup + cfg.bench.repeats):
         started = time.perf_counter()
-        decode_all(model, sources, settings, rt, use_cache=use_cache)
+        decode_all(model, sources, settings, rt, lexicon=lexicon(cfg.data.dir), use_cache=use_cache)
         if repeat >= cfg.bench.warmup:
             rates.append(n / (time.perf_counter() - started))
     return stats(rates)

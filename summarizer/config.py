@@ -122,9 +122,13 @@ class EvalConfig:
     min_len: int = 1
     length_penalty: float = 1.0
     no_repeat_ngram: int = 3  # 0 = off
+    known_words: bool = True  # every word of a summary is a word of the training text or of its source
+    no_repeat_words: bool = True  # no word twice in a summary
     lead_baselines: list = field(default_factory=lambda: [8, 10, 12])
     bootstrap_samples: int = 1000
     limit: int = 0  # decode only the first N pairs; 0 = all
+    pairs: str = ""  # a pairs file (.jsonl[.gz]: source, target, optional references) to score instead of `split`
+    truncate_bytes: int = 0  # >0: cut summaries to this many UTF-8 bytes and report ROUGE recall (DUC: 75)
 
 
 @dataclass
@@ -288,7 +292,8 @@ def validate(cfg: Config) -> None:
                     "train.patience": t.patience, "train.profile_steps": t.profile_steps,
                     "train.sample_summaries": t.sample_summaries, "data.valid_holdout": d.valid_holdout,
                     "data.train_limit": d.train_limit, "eval.min_len": e.min_len, "eval.limit": e.limit,
-                    "eval.no_repeat_ngram": e.no_repeat_ngram, "bench.warmup": cfg.bench.warmup}
+                    "eval.no_repeat_ngram": e.no_repeat_ngram, "eval.truncate_bytes": e.truncate_bytes,
+                    "bench.warmup": cfg.bench.warmup}
     for key, value in not_negative.items():
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")

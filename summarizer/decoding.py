@@ -1,5 +1,10 @@
 """Batched greedy and beam search as free functions over a model's `encode`/`decode`, with the KV cache;
-`decode_all`, the one entry point every decode in the product goes through."""
+`decode_all`, the one entry point every decode in the product goes through.
+
+Only the work that changes is done per step: what the decoder derives from a sentence's memory is
+computed once and shared by its beams (model.start_decoding), a sentence leaves the batch (and the
+cache) as soon as it is finished, and beams are reordered by one gather of the self-attention cache.
+"""
 from __future__ import annotations
 
 import sys
@@ -12,6 +17,7 @@ from tqdm import tqdm
 
 from summarizer import runtime
 from summarizer.config import EvalConfig
+from summarizer.constraints import Lexicon, WordRules
 from summarizer.data import pad_sources
 from summarizer.tokenizer import BOS, EOS, PAD
 
@@ -31,114 +37,183 @@ def _block_repeats(log_probs: Tensor, prefixes: Tensor, n: int) -> Tensor:
     return log_probs
 
 
-def _constrain(log_probs: Tensor, step: int, prefixes: Tensor, min_len: int, max_len: int,
-               no_repeat_ngram: int) -> Tensor:
-    """Rules both decoders apply to a step's (N, V) scores: never PAD or BOS; no EOS before min_len;
-    only EOS once max_len tokens exist; no repeated n-gram."""
-    log_probs = log_probs.clone()
-    log_probs[:, [PAD, BOS]] = float("-inf")
-    if step < min_len:
-        log_probs[:, EOS] = float("-inf")
-    if step >= max_len:
-        eos = log_probs[:, EOS].clone()
-        log_probs.fill_(float("-inf"))
-        log_probs[:, EOS] = eos
-    return _block_repeats(log_probs, prefixes, no_repeat_ngram)
+class Rules:
+    """What both searches forbid at each step, for the rows of one batch: PAD and BOS always; EOS before
+    `min_len` tokens (and, with `min_bytes`, before the summary fills that many bytes); anything but EOS
+    at `max_len`; a repeated piece n-gram; and, with `words`, pieces that would spell an unknown or a
+    repeated word (summarizer/constraints.py). Rows follow their beams via `advance` and `select`."""
+
+    def __init__(self, src_ids: Tensor, group: int, settings: EvalConfig, lexicon: Lexicon | None):
+        self.s, self.lexicon = settings, lexicon
+        self.min_bytes = settings.truncate_bytes if lexicon is not None else 0
+        self.bytes = torch.zeros(src_ids.shape[0] * group, device=src_ids.device)  # (R,) UTF-8 bytes so far
+        self.words = None
+        if lexicon is not None and (settings.known_words or settings.no_repeat_words):
+            self.words = WordRules(lexicon, [row[row != PAD].tolist() for row in src_ids.cpu()], group,
+                                   settings.known_words, settings.no_repeat_words)
+
+    def apply(self, log_probs: Tensor, step: int, prefixes: Tensor) -> Tensor:
+        """(R, V) scores of the next token, with every forbidden token at -inf (a new tensor)."""
+        log_probs = log_probs.clone()
+        log_probs[:, [PAD, BOS]] = float("-inf")
+        if self.words is not None:
+            self.words.mask(log_probs)
+        short = self.bytes < self.min_bytes + 1  # the first piece's word-start space is not written
+        if step < self.s.min_len:
+            log_probs[:, EOS] = float("-inf")
+        elif self.min_bytes and bool(short.any()):
+            log_probs[short, EOS] = float("-inf")
+        if step >= self.s.max_len:
+            eos = log_probs[:, EOS].clone()
+            log_probs.fill_(float("-inf"))
+            log_probs[:, EOS] = torch.where(torch.isinf(eos), torch.zeros_like(eos), eos)  # always allowed here
+        return _block_repeats(log_probs, prefixes, self.s.no_repeat_ngram)
+
+    def advance(self, parents: Tensor, tokens: Tensor) -> None:
+        """Row i now continues row parents[i] with tokens[i]."""
+        if self.lexicon is not None:
+            self.bytes = self.bytes[parents] + self.lexicon.piece_bytes.to(tokens.device)[tokens]
+        if self.words is not None:
+            self.words.advance(parents.tolist(), tokens.tolist())
+
+    def finish(self, row: int, hyp: list[int]) -> list[int]:
+        """Row `row` ends with `hyp`: without the word it is spelling if that word may not end (only
+        `max_len` cuts a word short)."""
+        if self.words is None:
+            return hyp
+        spelling = self.words.rows[row]
+        return hyp if self.words.may_end(row, spelling) else hyp[:len(hyp) - len(spelling.pieces)]
+
+    def select(self, rows: Tensor, sentences: Tensor) -> None:
+        self.bytes = self.bytes[rows]
+        if self.words is not None:
+            self.words.select(rows.tolist(), sentences.tolist())
+
+
+def _step(model, prefixes: Tensor, memory: Tensor, src_ids: Tensor, state, group: int) -> Tensor:
+    """(R, V) log-probabilities of each row's next token: from the cache (`state`), or by recomputing the
+    whole prefix (state None: the reference the cache is tested against)."""
+    if state is not None:
+        return model.decode(prefixes[:, -1:], memory, src_ids, state)[:, -1]
+    rows = torch.arange(src_ids.shape[0], device=src_ids.device).repeat_interleave(group)
+    return model.decode(prefixes, memory.index_select(0, rows.to(memory.device)), src_ids[rows])[:, -1]
 
 
 @torch.inference_mode()
-def greedy(model, src_ids: Tensor, max_len: int = 30, min_len: int = 1, no_repeat_ngram: int = 0,
+def greedy(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon | None = None,
            use_cache: bool = True) -> list[list[int]]:
-    """(B, S) source ids -> B lists of target ids (without BOS/EOS)."""
+    """(B, S) source ids -> B lists of target ids (without BOS/EOS). A sentence leaves the batch when it ends."""
     memory = model.encode(src_ids)
-    batch = src_ids.shape[0]
-    out = torch.full((batch, 1), BOS, dtype=torch.long, device=src_ids.device)
-    done = torch.zeros(batch, dtype=torch.bool, device=src_ids.device)
-    cache: dict | None = {} if use_cache else None
-    for step in range(max_len + 1):
-        step_in = out[:, -1:] if use_cache else out
-        log_probs = model.decode(step_in, memory, src_ids, cache)[:, -1].to(src_ids.device)  # (B, V)
-        log_probs = _constrain(log_probs, step, out[:, 1:], min_len, max_len, no_repeat_ngram)
-        next_ids = log_probs.argmax(dim=-1).masked_fill(done, PAD)
-        out = torch.cat([out, next_ids[:, None]], dim=1)
-        done |= next_ids == EOS
-        if bool(done.all()):
-            break
-    return [_strip(row) for row in out[:, 1:].tolist()]
-
-
-def _strip(ids: list[int]) -> list[int]:
-    """Cut at the first EOS and drop padding."""
-    if EOS in ids:
-        ids = ids[:ids.index(EOS)]
-    return [i for i in ids if i != PAD]
+    state = model.start_decoding(memory, src_ids) if use_cache else None
+    rules, device = Rules(src_ids, 1, settings, lexicon), src_ids.device
+    alive = torch.arange(src_ids.shape[0], device=device)  # batch row -> input sentence
+    prefixes = torch.full((src_ids.shape[0], 1), BOS, dtype=torch.long, device=device)
+    out: list[list[int]] = [[] for _ in range(src_ids.shape[0])]
+    for step in range(settings.max_len + 1):
+        log_probs = rules.apply(_step(model, prefixes, memory, src_ids, state, 1).to(device), step, prefixes[:, 1:])
+        next_ids = log_probs.argmax(dim=-1)  # (R,)
+        prefixes = torch.cat([prefixes, next_ids[:, None]], dim=1)
+        rules.advance(torch.arange(len(next_ids), device=device), next_ids)
+        ended = next_ids == EOS
+        if bool(ended.any()):
+            rows = ended.nonzero().squeeze(1).tolist()
+            for i, row, ids in zip(alive[ended].tolist(), rows, prefixes[ended, 1:-1].tolist(), strict=True):
+                out[i] = rules.finish(row, ids)
+            keep = (~ended).nonzero().squeeze(1)
+            if not keep.numel():
+                break
+            alive, prefixes, src_ids = alive[keep], prefixes[keep], src_ids[keep]
+            memory = memory[keep.to(memory.device)]
+            rules.select(keep, keep)
+            if state is not None:
+                model.keep_sentences(state, keep)
+    return out
 
 
 @torch.inference_mode()
-def beam_search(model, src_ids: Tensor, beam_size: int = 4, max_len: int = 30, min_len: int = 1,
-                length_penalty: float = 1.0, no_repeat_ngram: int = 0, use_cache: bool = True) -> list[list[int]]:
+def beam_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon | None = None,
+                use_cache: bool = True) -> list[list[int]]:
     """(B, S) source ids -> B lists of target ids: the best hypothesis by score / length**length_penalty.
 
     A hypothesis is finalised when it emits EOS (fairseq-style), and the beam keeps `beam_size` live
-    hypotheses; a sentence stops once it holds `beam_size` finished ones, and the search stops when
-    every sentence has. Scores are sums of log-probabilities; length counts tokens including EOS.
+    hypotheses; a sentence is done once it holds `beam_size` finished ones, and then leaves the batch.
+    Scores are sums of log-probabilities; length counts tokens including EOS.
     """
-    batch, k, device = src_ids.shape[0], beam_size, src_ids.device
+    batch, k, device = src_ids.shape[0], settings.beam_size, src_ids.device
     memory = model.encode(src_ids)
-    rows = torch.arange(batch, device=device).repeat_interleave(k)  # beam row -> sentence
-    memory, src = memory.index_select(0, rows.to(memory.device)), src_ids.index_select(0, rows)
+    state = model.start_decoding(memory, src_ids, group=k) if use_cache else None
+    rules = Rules(src_ids, k, settings, lexicon)
+    alive = torch.arange(batch, device=device)  # batch row -> input sentence
     prefixes = torch.full((batch * k, 1), BOS, dtype=torch.long, device=device)
     scores = torch.full((batch, k), float("-inf"), device=device)
     scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
-    cache: dict | None = {} if use_cache else None
-    for step in range(max_len + 1):
-        step_in = prefixes[:, -1:] if use_cache else prefixes
-        log_probs = model.decode(step_in, memory, src, cache)[:, -1].to(device)  # (B*K, V)
-        log_probs = _constrain(log_probs, step, prefixes[:, 1:], min_len, max_len, no_repeat_ngram)
-        vocab = log_probs.shape[-1]
-        candidates = (scores.view(-1, 1) + log_probs).view(batch, k * vocab)
-        top_scores, top_index = candidates.topk(2 * k, dim=-1)  # (B, 2K): at most K of them end in EOS
-        beam, token = top_index // vocab, top_index % vocab
+    for step in range(settings.max_len + 1):
+        log_probs = _step(model, prefixes, memory, src_ids, state, k).to(device)
+        log_probs = rules.apply(log_probs, step, prefixes[:, 1:])  # (R, V)
+        n, vocab = scores.shape[0], log_probs.shape[-1]
+        top_scores, top_index = (scores.view(-1, 1) + log_probs).view(n, k * vocab).topk(2 * k, dim=-1)
+        beam, token = top_index // vocab, top_index % vocab  # (n, 2K): at most K of them end in EOS
         is_eos = (token == EOS) & torch.isfinite(top_scores)
-        # Finalise EOS candidates ranked within the top K; they leave the live beam.
-        for b, j in (is_eos & (torch.arange(2 * k, device=device) < k)).nonzero().tolist():
-            if len(finished[b]) < k:
-                hyp = prefixes[b * k + beam[b, j]].tolist()[1:]
-                finished[b].append((top_scores[b, j].item() / (len(hyp) + 1) ** length_penalty, hyp))
-        if all(len(f) >= k for f in finished):
-            break
+        _finalise(finished, alive, prefixes, top_scores, beam, is_eos, k, settings.length_penalty, rules)
         # The K best non-EOS candidates continue.
         live = ~is_eos
-        keep = live & (live.cumsum(dim=1) <= k)
-        scores = top_scores[keep].view(batch, k)
-        source_rows = (torch.arange(batch, device=device)[:, None] * k + beam)[keep]
-        prefixes = torch.cat([prefixes[source_rows], token[keep].view(-1, 1)], dim=1)
-        done = torch.tensor([len(f) >= k for f in finished], device=device)
-        scores = scores.masked_fill(done[:, None], float("-inf"))  # finished sentences stop competing
-        if cache is not None:
-            cache = model.reorder_cache(cache, source_rows)
+        chosen = live & (live.cumsum(dim=1) <= k)
+        scores = top_scores[chosen].view(n, k)
+        parents = (torch.arange(n, device=device)[:, None] * k + beam)[chosen]
+        prefixes = torch.cat([prefixes[parents], token[chosen].view(-1, 1)], dim=1)
+        rules.advance(parents, token[chosen])
+        if state is not None:
+            model.reorder(state, parents)
+        done = torch.tensor([len(finished[i]) >= k for i in alive.tolist()], device=device)
+        if bool(done.any()):
+            keep = (~done).nonzero().squeeze(1)
+            if not keep.numel():
+                break
+            rows = (keep[:, None] * k + torch.arange(k, device=device)).view(-1)
+            alive, scores, prefixes, src_ids = alive[keep], scores[keep], prefixes[rows], src_ids[keep]
+            memory = memory[keep.to(memory.device)]
+            rules.select(rows, keep)
+            if state is not None:
+                model.keep_sentences(state, keep)
     return [max(f, key=lambda item: item[0])[1] if f else [] for f in finished]
 
 
-def decode_batch(model, src_ids: Tensor, settings: EvalConfig, use_cache: bool = True) -> list[list[int]]:
+def _finalise(finished: list, alive: Tensor, prefixes: Tensor, top_scores: Tensor, beam: Tensor,
+              is_eos: Tensor, k: int, length_penalty: float, rules: Rules) -> None:
+    """Move the EOS candidates ranked within the top K into their sentence's finished list (at most K)."""
+    ranked = is_eos & (torch.arange(is_eos.shape[1], device=is_eos.device) < k)
+    rows, cols = ranked.nonzero(as_tuple=True)
+    if not rows.numel():
+        return
+    parents = rows * k + beam[rows, cols]
+    hyps = prefixes[parents, 1:].tolist()
+    for b, parent, score, hyp in zip(alive[rows].tolist(), parents.tolist(), top_scores[rows, cols].tolist(), hyps,
+                                     strict=True):
+        if len(finished[b]) < k:  # the score counts the length as searched, before any cut word
+            finished[b].append((score / (len(hyp) + 1) ** length_penalty, rules.finish(parent, hyp)))
+
+
+def decode_batch(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon | None = None,
+                 use_cache: bool = True) -> list[list[int]]:
     """Greedy for beam 1 (cheaper bookkeeping), beam search otherwise."""
-    common = dict(max_len=settings.max_len, min_len=settings.min_len, no_repeat_ngram=settings.no_repeat_ngram,
-                  use_cache=use_cache)
-    if settings.beam_size == 1:
-        return greedy(model, src_ids, **common)
-    return beam_search(model, src_ids, settings.beam_size, length_penalty=settings.length_penalty, **common)
+    search = greedy if settings.beam_size == 1 else beam_search
+    return search(model, src_ids, settings, lexicon, use_cache)
 
 
 def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt: runtime.Runtime,
-               desc: str = "", use_cache: bool = True) -> list[list[int]]:
+               desc: str = "", lexicon: Lexicon | None = None, use_cache: bool = True) -> list[list[int]]:
     """Source id sequences -> hypothesis id lists, in input order, decoded as `settings` (the eval section) says.
 
     Sources are sorted by length so batches pad little, decoded `settings.batch_size` at a time with
     dropout off and under inference_mode (so no RNG stream is drawn from), and put back in input
-    order. `desc` names a progress bar, shown only when stderr is a terminal. `use_cache=False`
-    recomputes every prefix from scratch (the reference the KV cache is tested and benched against).
+    order. The word rules and the byte minimum (`settings.known_words`, `no_repeat_words`,
+    `truncate_bytes`) need the run's `lexicon`. `desc` names a progress bar, shown only when stderr is
+    a terminal. `use_cache=False` recomputes every prefix from scratch (the reference the KV cache is
+    tested and benched against).
     """
+    if lexicon is None and (settings.known_words or settings.no_repeat_words or settings.truncate_bytes):
+        raise ValueError("eval.known_words, no_repeat_words and truncate_bytes need the run's lexicon")
     model = runtime.unwrap(model)
     order = np.argsort([len(s) for s in sources], kind="stable")
     hyps: list = [None] * len(sources)
@@ -148,6 +223,6 @@ def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt
             idx = order[start:start + settings.batch_size]
             src = runtime.move(pad_sources([sources[i] for i in idx]), rt.device)
             with rt.compute():
-                for i, hyp in zip(idx, decode_batch(model, src, settings, use_cache), strict=True):
+                for i, hyp in zip(idx, decode_batch(model, src, settings, lexicon, use_cache), strict=True):
                     hyps[i] = hyp
     return hyps

@@ -1,32 +1,25 @@
-"""Decode a split and score it: predictions.txt, rouge.json (ROUGE-1/2/L with 95% CIs, lead-N baselines); summarize."""
+"""`eval`: decode a prepared split or any pairs file with a trained run; predictions.txt and rouge.json
+(ROUGE-1/2/L with 95% intervals, quality rates, lead-N baselines)."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from rouge_score import rouge_scorer, scoring
 
 from summarizer import checkpoint, runtime
 from summarizer.config import Config
 from summarizer.decoding import decode_all
 from summarizer.errors import CheckpointError, DataError
 from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
+from summarizer.pairs import read_pairs_file
 from summarizer.placement import place_model
-from summarizer.prepared import load_split, open_tokenizer, read_meta, read_pairs
+from summarizer.prepared import lexicon, load_split, open_tokenizer, read_meta, read_pairs, training_words
 from summarizer.runtime import Runtime
-
-ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
-_UNK = re.compile(r"(?<!\S)(?:UNK|<unk>)(?!\S)")
-
-
-def unify_unk(text: str) -> str:
-    """Gigaword writes the unknown word `<unk>` in train/valid and `UNK` in its test set: score them alike."""
-    return _UNK.sub("unk", text)
+from summarizer.scoring import quality, rouge_report, truncate_bytes, words
+from summarizer.tokenizer import Tokenizer, normalize, restore_digits
 
 
 def load_model(path: str | Path, rt: Runtime, meta: dict) -> tuple[torch.nn.Module, dict]:
@@ -50,67 +43,94 @@ def eval_checkpoint(cfg: Config) -> Path:
     return Path(cfg.eval.checkpoint) if cfg.eval.checkpoint else cfg.run_dir / checkpoint.BEST
 
 
-def rouge_report(predictions: list[str], references: list[list[str]], samples: int, seed: int = 0) -> dict:
-    """Mean ROUGE F/P/R (percent) over pairs, best-of-references, with bootstrap 95% CIs of F
-    (`samples` resamples; 0 = no interval)."""
-    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
-    per_pair = [scorer.score_multi([unify_unk(r) for r in refs], unify_unk(pred))
-                for pred, refs in zip(predictions, references, strict=True)]
-    bounds = None
-    if samples > 0:
-        np.random.seed(seed)  # BootstrapAggregator resamples with numpy's global RNG
-        aggregator = scoring.BootstrapAggregator(confidence_interval=0.95, n_samples=samples)
-        for score in per_pair:
-            aggregator.add_scores(score)
-        bounds = aggregator.aggregate()
-    report = {}
-    for kind in ROUGE_TYPES:
-        report[kind] = {
-            "f": 100 * float(np.mean([s[kind].fmeasure for s in per_pair])),
-            "p": 100 * float(np.mean([s[kind].precision for s in per_pair])),
-            "r": 100 * float(np.mean([s[kind].recall for s in per_pair])),
-            "f_ci": [100 * bounds[kind].low.fmeasure, 100 * bounds[kind].high.fmeasure] if bounds else None}
+def summary_text(ids: list[int], source: str, tokenizer: Tokenizer, meta: dict, limit: int) -> str:
+    """A decoded summary as users and scorers see it: masked digits put back from its source, cut to
+    `limit` bytes (eval.truncate_bytes; 0 = whole)."""
+    text = tokenizer.decode(ids)
+    if meta["normalization"]["mask_digits"]:
+        text = restore_digits(text, source)
+    return truncate_bytes(text.replace("\n", " "), limit)
+
+
+def read_eval_pairs(cfg: Config, meta: dict, tokenizer: Tokenizer) -> tuple[str, list[dict], list[list[int]]]:
+    """(name, pairs, source ids) of what `eval` scores: `eval.pairs` (a pairs file of raw text, normalised and
+    tokenized here as the run's training data was) or the prepared split `eval.split`."""
+    e = cfg.eval
+    if e.pairs:
+        pairs = read_pairs_file(e.pairs)[:e.limit or None]
+        ids = [tokenizer.encode_raw(p["source"], meta["normalization"])[:cfg.data.max_source_len] for p in pairs]
+        return Path(e.pairs).name, pairs, ids
+    if e.split not in meta["splits"]:
+        raise DataError(f"split '{e.split}' was not prepared in {cfg.data.dir} (prepared: "
+                        f"{', '.join(meta['splits'])}); map it in data.splits and re-run prep, set eval.split, "
+                        f"or score a pairs file with eval.pairs=PATH")
+    pairs = read_pairs(cfg.data.dir, e.split)[:e.limit or None]
+    arrays = load_split(cfg.data.dir, e.split)
+    ids = [arrays.src[arrays.src_offsets[i]:arrays.src_offsets[i + 1]][:cfg.data.max_source_len].tolist()
+           for i in range(len(pairs))]
+    return e.split, pairs, ids
+
+
+def score(cfg: Config, meta: dict, pairs: list[dict], predictions: list[str]) -> dict:
+    """ROUGE (F, or recall at eval.truncate_bytes as DUC reports it), the quality rates and lead-N."""
+    e, norm = cfg.eval, meta["normalization"]
+    measure = "r" if e.truncate_bytes else "f"
+    references = [p.get("references") or [p["target"]] for p in pairs]
+    report = rouge_report(predictions, references, e.bootstrap_samples, measure=measure)
+    sources = [[words(normalize(p["source"], norm["lowercase"], norm["mask_digits"])), words(p["source"])]
+               for p in pairs]
+    report.update(quality(predictions, sources, references, training_words(cfg.data.dir)))
+    report["lead"] = {f"lead-{k}": {kind: v[measure] for kind, v in rouge_report(
+        [truncate_bytes(" ".join(p["source"].split()[:k]), e.truncate_bytes) for p in pairs], references, 0,
+        measure=measure).items() if kind.startswith("rouge")} for k in e.lead_baselines}
     return report
+
+
+def settings(cfg: Config, name: str, n: int, source: dict, precision: str) -> dict:
+    e = cfg.eval
+    return {
+        "scorer": "rouge-score (Google) with Porter stemming, default tokenizer (lower-cased, alphanumeric)",
+        "aggregation": "mean over pairs; best reference per ROUGE type; bootstrap 95% interval",
+        "measure": f"recall of the first {e.truncate_bytes} bytes" if e.truncate_bytes else "F-measure, full length",
+        "unk": "UNK and <unk> scored as the same word", "split": name, "pairs": n, "pairs_file": e.pairs or None,
+        "beam_size": e.beam_size, "max_len": e.max_len, "min_len": e.min_len, "length_penalty": e.length_penalty,
+        "no_repeat_ngram": e.no_repeat_ngram, "truncate_bytes": e.truncate_bytes, "checkpoint": source,
+        "precision": precision}
 
 
 def evaluate(cfg: Config) -> dict:
-    """Decode `eval.split` with the run's best checkpoint (or eval.checkpoint); write predictions + report."""
+    """Decode `eval.pairs` or `eval.split` with the run's best checkpoint (or eval.checkpoint); write
+    predictions.txt (what was scored, one line per pair) and rouge.json to eval.out_dir."""
     rt = runtime.setup(cfg)
     meta = read_meta(cfg.data.dir)
-    if cfg.eval.split not in meta["splits"]:
-        raise DataError(f"split '{cfg.eval.split}' was not prepared in {cfg.data.dir} (prepared: "
-                        f"{', '.join(meta['splits'])}); map it in data.splits and re-run prep, or set eval.split")
     out_dir = Path(cfg.eval.out_dir) if cfg.eval.out_dir else cfg.run_dir
-    refuse_overlap(out_dir, [cfg.data.dir], "eval.out_dir")
-    claim_dir(out_dir, "eval", "eval.out_dir", legacy=("rouge.json",), also=("run", "overfit"))
+    refuse_overlap(out_dir, [cfg.data.dir] + ([cfg.eval.pairs] if cfg.eval.pairs else []), "eval.out_dir")
     tokenizer = open_tokenizer(cfg.data.dir)
+    name, pairs, ids = read_eval_pairs(cfg, meta, tokenizer)
     model, source = load_model(eval_checkpoint(cfg), rt, meta)
-    pairs = read_pairs(cfg.data.dir, cfg.eval.split)
-    arrays = load_split(cfg.data.dir, cfg.eval.split)
-    n = min(len(pairs), cfg.eval.limit) if cfg.eval.limit else len(pairs)
-    sources = [arrays.src[arrays.src_offsets[i]:arrays.src_offsets[i + 1]][:cfg.data.max_source_len].tolist()
-               for i in range(n)]
+    claim_dir(out_dir, "eval", "eval.out_dir", legacy=("rouge.json",), also=("run", "overfit"))
     started = time.perf_counter()
-    hyps = decode_all(model, sources, cfg.eval, rt, f"decode {cfg.eval.split}")
+    hyps = decode_all(model, ids, cfg.eval, rt, f"decode {name}", lexicon(cfg.data.dir))
     seconds = time.perf_counter() - started
-    predictions = [tokenizer.decode(h) for h in hyps]
-    references = [p.get("references") or [p["target"]] for p in pairs[:n]]
-    report = rouge_report(predictions, references, cfg.eval.bootstrap_samples)
-    report["lead"] = {f"lead-{k}": {kind: v["f"] for kind, v in rouge_report(
-        [" ".join(p["source"].split()[:k]) for p in pairs[:n]], references, 0).items()}
-        for k in cfg.eval.lead_baselines}
-    report["settings"] = {
-        "scorer": "rouge-score (Google) with Porter stemming, default tokenizer (lower-cased, alphanumeric)",
-        "aggregation": "mean over pairs of per-pair F/P/R; best reference per metric; bootstrap 95% CI",
-        "unk": "UNK and <unk> scored as the same word", "split": cfg.eval.split, "pairs": n,
-        "beam_size": cfg.eval.beam_size, "max_len": cfg.eval.max_len, "min_len": cfg.eval.min_len,
-        "length_penalty": cfg.eval.length_penalty, "no_repeat_ngram": cfg.eval.no_repeat_ngram,
-        "checkpoint": source, "precision": rt.precision}
-    report["sentences_per_s"] = n / seconds
-    atomic_write(out_dir / "predictions.txt", "".join(p.replace("\n", " ") + "\n" for p in predictions))
+    predictions = [summary_text(h, p["source"], tokenizer, meta, cfg.eval.truncate_bytes)
+                   for h, p in zip(hyps, pairs, strict=True)]
+    report = score(cfg, meta, pairs, predictions)
+    report["settings"] = settings(cfg, name, len(pairs), source, rt.precision)
+    report["sentences_per_s"] = len(pairs) / seconds
+    atomic_write(out_dir / "predictions.txt", "".join(p + "\n" for p in predictions))
     atomic_write(out_dir / "rouge.json", json.dumps(report, indent=2))
-    lead = " ".join(f"{k} R1 {v['rouge1']:.1f}" for k, v in report["lead"].items())
-    print(f"{cfg.eval.split} ({n} pairs, beam {cfg.eval.beam_size}): ROUGE-1/2/L F "
-          f"{report['rouge1']['f']:.2f}/{report['rouge2']['f']:.2f}/{report['rougeL']['f']:.2f}; {lead}; "
-          f"{report['sentences_per_s']:.0f} sentences/s; written to {out_dir}", file=sys.stderr)
+    print(summary_line(report, out_dir), file=sys.stderr)
     return report
+
+
+def summary_line(report: dict, out_dir: Path) -> str:
+    s = report["settings"]
+    measure = f"recall at {s['truncate_bytes']} bytes" if s["truncate_bytes"] else "F"
+    m = "r" if s["truncate_bytes"] else "f"
+    lead = " ".join(f"{k} R1 {v['rouge1']:.1f}" for k, v in report["lead"].items())
+    return (f"{s['split']} ({s['pairs']} pairs, beam {s['beam_size']}): ROUGE-1/2/L {measure} "
+            f"{report['rouge1'][m]:.2f}/{report['rouge2'][m]:.2f}/{report['rougeL'][m]:.2f}; "
+            f"non-words {report['nonword_rate']:.1f}%, repeats {report['repeat_rate']:.1f}%, "
+            f"{report['words_per_prediction']:.1f} words per summary (references "
+            f"{report['words_per_reference']:.1f}); {lead}; {report['sentences_per_s']:.0f} sentences/s; "
+            f"written to {out_dir}")

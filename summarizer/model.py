@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -20,6 +21,20 @@ from summarizer.config import ModelConfig
 from summarizer.dropout import Dropout
 
 PAD_ID = 0
+
+
+@dataclass
+class DecodeState:
+    """Incremental decoding of R = B * group rows: per sentence (B), the source and what the decoder
+    derives from its memory once; per row (R), each layer's self-attention keys/values so far."""
+    group: int  # rows per sentence (beams); a sentence's rows are consecutive
+    src_ids: Tensor  # (B, S)
+    src_mask: Tensor  # (B, 1, 1, S)
+    memory: Tensor  # (B, S, D)
+    memory_kv: list  # per layer: cross-attention (keys, values), each (B, H, S, D/H)
+    copy_keys: Tensor | None  # (B, S, D) the copy head's keys
+    self_kv: list | None  # per layer: self-attention (keys, values), each (R, H, T, D/H), or None before step 1
+    length: int = 0  # positions decoded so far
 
 
 class DecoderOutput(NamedTuple):
@@ -148,19 +163,23 @@ class DecoderLayer(nn.Module):
         self.drop = Dropout(cfg.dropout, cfg.fast_dropout)
 
     def forward(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor,
-                cache: dict | None, name: str) -> Tensor:
+                past_kv: tuple[Tensor, Tensor] | None = None, group: int = 1) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """(R, T, D) -> (R, T, D), and this layer's self-attention keys/values so far (the KV cache).
+
+        R = B * group rows: `group` consecutive rows (a sentence's beams) share one source, whose
+        memory keys/values (B, H, S, D/H) they query together, as group * T queries: no copies per beam.
+        """
         h = self.norm1(x)
-        k, v = self.self_attn.project_kv(h)  # (B, H, T_new, D/H)
-        if cache is not None and f"{name}.k" in cache:
-            k = torch.cat([cache[f"{name}.k"], k], dim=2)  # (B, H, T_past + T_new, D/H)
-            v = torch.cat([cache[f"{name}.v"], v], dim=2)
-        if cache is not None:
-            cache[f"{name}.k"], cache[f"{name}.v"] = k, v
+        k, v = self.self_attn.project_kv(h)  # (R, H, T_new, D/H)
+        if past_kv is not None:
+            k, v = torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2)  # (R, H, T_past + T_new, D/H)
         # Causal masking is only needed when several new positions are decoded at once; a single
         # new position may see the whole (cached) past.
         x = x + self.drop(self.self_attn(h, k, v, is_causal=x.shape[1] > 1))
-        x = x + self.drop(self.cross_attn(self.norm2(x), *memory_kv, mask=src_mask))
-        return x + self.drop(self.ffn(self.norm3(x)))
+        r, t, d = x.shape
+        cross = self.cross_attn(self.norm2(x).reshape(r // group, group * t, d), *memory_kv, mask=src_mask)
+        x = x + self.drop(cross.reshape(r, t, d))
+        return x + self.drop(self.ffn(self.norm3(x))), (k, v)
 
 
 class Seq2Seq(nn.Module):
@@ -218,41 +237,48 @@ class Seq2Seq(nn.Module):
         return self.run_encoder(self.embed(src_ids), self.source_mask(src_ids))
 
     # -- decoder ---------------------------------------------------------------------------
-    def memory_kv(self, memory: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Cross-attention keys/values per decoder layer, computed once per source and reused each step."""
-        return [layer.cross_attn.project_kv(memory) for layer in self.decoder_layers]
+    def start_decoding(self, memory: Tensor, src_ids: Tensor, group: int = 1) -> DecodeState:
+        """What incremental decoding of `group` rows per source keeps: everything computed from the
+        memory once per sentence (cross-attention keys/values, the copy head's keys), nothing per row yet."""
+        return DecodeState(
+            group=group, src_ids=src_ids, src_mask=self.source_mask(src_ids), memory=memory,
+            memory_kv=[layer.cross_attn.project_kv(memory) for layer in self.decoder_layers],
+            copy_keys=self.copy_key(memory) if self.cfg.copy else None, self_kv=[None] * len(self.decoder_layers))
 
     def decoder_output(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor,
-                       cache: dict | None = None) -> DecoderOutput:
-        """(B, T) target prefix ids -> vocabulary logits and, with copy, copy attention and gate.
+                       state: DecodeState | None = None) -> DecoderOutput:
+        """(R, T) target prefix ids -> vocabulary logits and, with copy, copy attention and gate.
 
-        With `cache` (a dict, empty at the first step), only the new positions of `tgt_in` are
-        fed and past keys/values are reused: incremental decoding in O(T) per step.
+        Without `state`, R = B and the whole prefix is decoded (training). With a `state` from
+        `start_decoding`, only the new positions of `tgt_in` are fed, past keys/values are reused
+        and extended (incremental decoding in O(T) per step), and R = B * state.group.
         """
-        past = cache.get("length", 0) if cache is not None else 0
-        src_mask = self.source_mask(src_ids)
-        if cache is not None and "memory_kv" not in cache:
-            cache["memory_kv"] = self.memory_kv(memory)
-        memory_kvs = cache["memory_kv"] if cache is not None else self.memory_kv(memory)
-        x = self.embed(tgt_in, offset=past)  # (B, T, D)
+        if state is None:
+            state = self.start_decoding(memory, src_ids)
+            state.self_kv = None  # nothing to keep
+        group, past = state.group, state.length
+        x = self.embed(tgt_in, offset=past)  # (R, T, D)
         for i, layer in enumerate(self.decoder_layers):
-            x = layer(x, memory_kvs[i], src_mask, cache, name=f"layer{i}")
-        h = self.decoder_norm(x)  # (B, T, D)
-        if cache is not None:
-            cache["length"] = past + tgt_in.shape[1]
-        logits = F.linear(h, self.embedding.weight)  # (B, T, V), tied output projection
+            x, kv = layer(x, state.memory_kv[i], state.src_mask, state.self_kv and state.self_kv[i], group)
+            if state.self_kv is not None:
+                state.self_kv[i] = kv
+        state.length = past + tgt_in.shape[1]
+        h = self.decoder_norm(x)  # (R, T, D)
+        logits = F.linear(h, self.embedding.weight)  # (R, T, V), tied output projection
         if not self.cfg.copy:
             return DecoderOutput(logits, None, None)
-        scores = self.copy_query(h) @ self.copy_key(memory).transpose(1, 2)  # (B, T, S)
-        scores = scores.float() / math.sqrt(self.cfg.d_model)
-        attn = scores.masked_fill(~src_mask[:, 0], float("-inf")).softmax(dim=-1)  # (B, T, S)
-        context = attn.to(memory.dtype) @ memory  # (B, T, D)
-        gate = torch.sigmoid(self.copy_gate(torch.cat([h, context], dim=-1)).float())  # (B, T, 1)
-        return DecoderOutput(logits, attn, gate)
+        r, t, d = h.shape
+        queries = self.copy_query(h).reshape(r // group, group * t, d)  # a sentence's rows together
+        scores = (queries @ state.copy_keys.transpose(1, 2)).float() / math.sqrt(self.cfg.d_model)  # (B, G*T, S)
+        attn = scores.masked_fill(~state.src_mask[:, 0], float("-inf")).softmax(dim=-1)
+        context = (attn.to(state.memory.dtype) @ state.memory).reshape(r, t, d)  # (R, T, D)
+        gate = torch.sigmoid(self.copy_gate(torch.cat([h, context], dim=-1)).float())  # (R, T, 1)
+        return DecoderOutput(logits, attn.reshape(r, t, -1), gate)
 
     @staticmethod
     def log_probs(out: DecoderOutput, src_ids: Tensor) -> Tensor:
-        """Full (B, T, V) float32 log p(w) = log(g * p_vocab(w) + (1 - g) * sum_{s: src_s = w} attn_s).
+        """Full (R, T, V) float32 log p(w) = log(g * p_vocab(w) + (1 - g) * sum_{s: src_s = w} attn_s), for
+        (R, S) source ids (one row per decoded row).
 
         Decoding needs this at one position per step; training never materialises it (losses.py).
         """
@@ -260,27 +286,36 @@ class Seq2Seq(nn.Module):
         if out.copy_attn is None:
             return log_vocab
         probs = out.gate * log_vocab.exp()
-        index = src_ids[:, None, :].expand(-1, out.logits.shape[1], -1)  # (B, T, S)
+        index = src_ids[:, None, :].expand(-1, out.logits.shape[1], -1)  # (R, T, S)
         probs = probs.scatter_add(2, index, (1.0 - out.gate) * out.copy_attn)
         return probs.clamp_min(1e-12).log()
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None = None) -> Tensor:
-        """(B, T) target prefix ids -> (B, T, V) float32 log-probabilities (the decoding interface)."""
-        return self.log_probs(self.decoder_output(tgt_in, memory, src_ids, cache), src_ids)
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, state: DecodeState | None = None) -> Tensor:
+        """(R, T) target prefix ids -> (R, T, V) float32 log-probabilities (the decoding interface)."""
+        out = self.decoder_output(tgt_in, memory, src_ids, state)
+        group = state.group if state is not None else 1
+        return self.log_probs(out, src_ids.repeat_interleave(group, dim=0) if group > 1 else src_ids)
 
     def forward(self, src_ids: Tensor, tgt_in: Tensor) -> DecoderOutput:
         """(B, S) source ids, (B, T) target prefix ids -> logits (B, T, V) [+ copy attention, gate]."""
         return self.decoder_output(tgt_in, self.encode(src_ids), src_ids)
 
     @staticmethod
-    def reorder_cache(cache: dict, index: Tensor) -> dict:
-        """Select batch rows of every cached tensor (beam search reordering)."""
-        out: dict = {"length": cache["length"]}
-        out["memory_kv"] = [(k.index_select(0, index), v.index_select(0, index)) for k, v in cache["memory_kv"]]
-        for key, value in cache.items():
-            if key not in out:
-                out[key] = value.index_select(0, index)
-        return out
+    def reorder(state: DecodeState, rows: Tensor) -> None:
+        """Beam search: row i continues the hypothesis of row rows[i] (of the same sentence)."""
+        state.self_kv = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in state.self_kv]
+
+    @staticmethod
+    def keep_sentences(state: DecodeState, keep: Tensor) -> None:
+        """Drop finished sentences: keep the (B',) sentence indices `keep`, their memory and their rows."""
+        rows = (keep[:, None] * state.group + torch.arange(state.group, device=keep.device)).reshape(-1)
+        state.src_ids, state.src_mask, state.memory = (t.index_select(0, keep) for t in
+                                                       (state.src_ids, state.src_mask, state.memory))
+        state.memory_kv = [(k.index_select(0, keep), v.index_select(0, keep)) for k, v in state.memory_kv]
+        if state.copy_keys is not None:
+            state.copy_keys = state.copy_keys.index_select(0, keep)
+        state.self_kv = [kv if kv is None else (kv[0].index_select(0, rows), kv[1].index_select(0, rows))
+                         for kv in state.self_kv]
 
 
 def count_parameters(model: nn.Module) -> int:

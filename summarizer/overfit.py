@@ -43,7 +43,8 @@ def overfit_check(cfg: Config) -> int:
     sampler = TokenBatchSampler(pairs.src_lens, pairs.tgt_lens, cfg.data.batch_tokens, shuffle=False)
     loss = evaluate_loss(model, make_loader(pairs, sampler, cfg.data, rt.device, 0), rt)["loss"]
     # Plain greedy: the targets must come back exactly, so no length or repetition rules apply.
-    greedy = dataclasses.replace(cfg.eval, beam_size=1, max_len=pairs.max_target_len, min_len=0, no_repeat_ngram=0)
+    greedy = dataclasses.replace(cfg.eval, beam_size=1, max_len=pairs.max_target_len, min_len=0, no_repeat_ngram=0,
+                                 known_words=False, no_repeat_words=False, truncate_bytes=0)
     hyps = decode_all(model, [s for s, _ in (pairs[i] for i in range(len(pairs)))], greedy, rt)
     share = sum(h == pairs[i][1].tolist() for i, h in enumerate(hyps)) / len(pairs)
     passed = loss < cfg.overfit.max_loss and share >= cfg.overfit.min_exact_match

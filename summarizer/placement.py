@@ -43,16 +43,23 @@ class PlacedSeq2Seq(nn.Module):
         memory = self.inner.run_encoder(x, self.inner.source_mask(move(src_ids, self.enc_dev)))
         return move(memory, self.dec_dev)
 
-    def decoder_output(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None = None):
+    def decoder_output(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, state=None):
         return self.inner.decoder_output(move(tgt_in, self.dec_dev), move(memory, self.dec_dev),
-                                         move(src_ids, self.dec_dev), cache)
+                                         move(src_ids, self.dec_dev), state)
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None = None) -> Tensor:
-        src_dec = move(src_ids, self.dec_dev)
-        return self.inner.log_probs(self.decoder_output(tgt_in, memory, src_dec, cache), src_dec).to(tgt_in.device)
+    def start_decoding(self, memory: Tensor, src_ids: Tensor, group: int = 1):
+        return self.inner.start_decoding(move(memory, self.dec_dev), move(src_ids, self.dec_dev), group)
 
-    def reorder_cache(self, cache: dict, index: Tensor) -> dict:
-        return self.inner.reorder_cache(cache, move(index, self.dec_dev))
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, state=None) -> Tensor:
+        log_probs = self.inner.decode(move(tgt_in, self.dec_dev), move(memory, self.dec_dev),
+                                      move(src_ids, self.dec_dev), state)
+        return log_probs.to(tgt_in.device)
+
+    def reorder(self, state, rows: Tensor) -> None:
+        self.inner.reorder(state, move(rows, self.dec_dev))
+
+    def keep_sentences(self, state, keep: Tensor) -> None:
+        self.inner.keep_sentences(state, move(keep, self.dec_dev))
 
     def forward(self, src_ids: Tensor, tgt_in: Tensor):
         if self.chunks <= 1:

@@ -1,12 +1,14 @@
 """Reads a prepared data dir: meta.json and memory-mapped token arrays."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
+from summarizer.constraints import Lexicon
 from summarizer.errors import DataError
 from summarizer.tokenizer import Tokenizer
 
@@ -82,6 +84,23 @@ def read_pairs(data_dir: str | Path, split: str) -> list[dict]:
     path = data_dir / split_files(split)["pairs"]
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
+
+
+@functools.lru_cache(maxsize=4)
+def training_words(data_dir: str | Path) -> frozenset[str]:
+    """Every word of the prepared train split's text (sources and targets, as normalised): the vocabulary
+    a summary's words are checked against (with its own source's)."""
+    known: set[str] = set()
+    for pair in read_pairs(data_dir, "train"):
+        known.update(pair["source"].lower().split())
+        known.update(pair["target"].lower().split())
+    return frozenset(known)
+
+
+@functools.lru_cache(maxsize=4)
+def lexicon(data_dir: str | Path) -> Lexicon:
+    """The dir's tokenizer and training words as the word rules of decoding use them (built once per process)."""
+    return Lexicon(open_tokenizer(data_dir), training_words(data_dir))
 
 
 def open_tokenizer(data_dir: str | Path) -> Tokenizer:

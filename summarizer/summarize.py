@@ -10,8 +10,8 @@ from tqdm import tqdm
 from summarizer import runtime
 from summarizer.config import Config
 from summarizer.decoding import decode_all
-from summarizer.evaluate import eval_checkpoint, load_model
-from summarizer.prepared import open_tokenizer, read_meta
+from summarizer.evaluate import eval_checkpoint, load_model, summary_text
+from summarizer.prepared import lexicon, open_tokenizer, read_meta
 
 CHUNK_LINES = 256  # lines read, decoded and written at a time: memory stays constant, output flows
 
@@ -48,9 +48,9 @@ def summarize_stream(cfg: Config, stdin, stdout) -> dict:
 
     while chunk := decode_lines(itertools.islice(numbered, CHUNK_LINES), warn):
         sources = [tokenizer.encode_raw(text, norm)[:cfg.data.max_source_len] for text in chunk]
-        hyps = decode_all(model, sources, cfg.eval, rt)
-        stdout.write("".join((tokenizer.decode(h) if text.strip() else "") + "\n"
-                             for text, h in zip(chunk, hyps, strict=True)))
+        hyps = decode_all(model, sources, cfg.eval, rt, lexicon=lexicon(cfg.data.dir))
+        stdout.write("".join((summary_text(h, text, tokenizer, meta, cfg.eval.truncate_bytes) if text.strip() else "")
+                             + "\n" for text, h in zip(chunk, hyps, strict=True)))
         stdout.flush()
         lines += len(chunk)
         bar.update(len(chunk))

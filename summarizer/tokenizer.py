@@ -32,6 +32,20 @@ def normalize(text: str, lowercase: bool, mask_digits: bool) -> str:
     return " ".join(text.split())
 
 
+def restore_digits(summary: str, source: str) -> str:
+    """Undo digit masking where the source tells how: each masked word of `summary` (`##.#`) becomes the first
+    word of the raw `source` that masks to it (`12.5`), in the summary's case. Words the source cannot
+    explain stay as they are, so text whose digits were masked before it came in is left unchanged."""
+    lower = summary == summary.lower()
+    originals: dict[str, str] = {}
+    for word in source.split():
+        word = word.lower() if lower else word
+        masked = _DIGIT_RE.sub("#", word)
+        if masked != word:
+            originals.setdefault(masked, word)
+    return " ".join(originals.get(w, w) for w in summary.split(" ")) if originals else summary
+
+
 def file_sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 

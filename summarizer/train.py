@@ -25,9 +25,10 @@ from summarizer.monitor import Monitor, Profiler, Window, flatten, memory_report
 from summarizer.optim import build_optimizer, build_scheduler
 from summarizer.outputs import claim_dir
 from summarizer.placement import place_model
-from summarizer.prepared import open_tokenizer, read_meta, valid_split
+from summarizer.prepared import lexicon, open_tokenizer, read_meta, read_pairs, training_words, valid_split
 from summarizer.resume import check_resume
 from summarizer.runtime import Runtime, move
+from summarizer.scoring import ROUGE_TYPES, quality, rouge_report, words
 from summarizer.tokenizer import Tokenizer
 
 # What a run writes to its run dir (besides ckpt_*.pt): how a run dir written before the ownership
@@ -167,7 +168,8 @@ def snapshot(cfg: Config, meta: dict, model, optimizer, scaler, progress: dict) 
 def sample_summaries(model, dataset: PairDataset, tokenizer: Tokenizer, rt: Runtime, cfg: Config) -> str:
     """Greedy summaries of the first `train.sample_summaries` valid pairs, as Markdown for TensorBoard."""
     pairs = [dataset[i] for i in range(min(cfg.train.sample_summaries, len(dataset)))]
-    hyps = decode_all(model, [s for s, _ in pairs], dataclasses.replace(cfg.eval, beam_size=1), rt)
+    hyps = decode_all(model, [s for s, _ in pairs], dataclasses.replace(cfg.eval, beam_size=1), rt,
+                      lexicon=lexicon(cfg.data.dir))
     return "\n\n".join(f"source: {tokenizer.decode(s.tolist())}  \nreference: {tokenizer.decode(t.tolist())}  \n"
                        f"greedy: {tokenizer.decode(h)}" for (s, t), h in zip(pairs, hyps, strict=True))
 
@@ -206,7 +208,7 @@ class Session:
     valid_loader: DataLoader
     monitor: Monitor
     resumed: bool
-    rouge_refs: list | None = None  # valid references for ROUGE during training, read once
+    rouge_pairs: list | None = None  # the valid pairs ROUGE is measured on during training, read once
 
     def snapshot(self) -> dict:
         return snapshot(self.cfg, self.meta, self.model, self.optimizer, self.scaler, self.progress)
@@ -352,14 +354,15 @@ def improves(metric: str, value: float, best: dict | None) -> bool:
 
 
 def valid_rouge(s: Session) -> dict:
-    """Greedy ROUGE-1/2/L F on the first `train.rouge_samples` valid pairs (fast, comparable across steps)."""
-    from summarizer.evaluate import rouge_report
-    from summarizer.prepared import read_pairs
-    if s.rouge_refs is None:
-        s.rouge_refs = [p.get("references") or [p["target"]]
-                        for p in read_pairs(s.cfg.data.dir, valid_split(s.meta))[:s.cfg.train.rouge_samples]]
-    pairs = s.rouge_refs
-    sources = [s.valid_ds[i][0] for i in range(len(pairs))]
-    hyps = decode_all(s.model, sources, dataclasses.replace(s.cfg.eval, beam_size=1), s.rt)
-    report = rouge_report([s.tokenizer.decode(h) for h in hyps], pairs, samples=0)
-    return {kind: report[kind]["f"] for kind in ("rouge1", "rouge2", "rougeL")}
+    """Greedy ROUGE-1/2/L F and the quality rates (non-words, repeats, length) on the first
+    `train.rouge_samples` valid pairs: fast, and comparable across steps."""
+    if s.rouge_pairs is None:
+        s.rouge_pairs = read_pairs(s.cfg.data.dir, valid_split(s.meta))[:s.cfg.train.rouge_samples]
+    pairs = s.rouge_pairs
+    hyps = decode_all(s.model, [s.valid_ds[i][0] for i in range(len(pairs))],
+                      dataclasses.replace(s.cfg.eval, beam_size=1), s.rt, lexicon=lexicon(s.cfg.data.dir))
+    predictions = [s.tokenizer.decode(h) for h in hyps]
+    references = [p.get("references") or [p["target"]] for p in pairs]
+    report = rouge_report(predictions, references, samples=0)
+    rates = quality(predictions, [[words(p["source"])] for p in pairs], references, training_words(s.cfg.data.dir))
+    return {**{kind: report[kind]["f"] for kind in ROUGE_TYPES}, **rates}

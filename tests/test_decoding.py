@@ -1,9 +1,20 @@
+import dataclasses
+
 import pytest
 import torch
 
-from summarizer.config import ModelConfig
+from summarizer import decoding_v1
+from summarizer.config import EvalConfig, ModelConfig
+from summarizer.constraints import Lexicon
 from summarizer.decoding import _block_repeats, beam_search, greedy
 from summarizer.model import Seq2Seq
+from summarizer.prepared import open_tokenizer, training_words
+
+PLAIN = EvalConfig(max_len=12, known_words=False, no_repeat_words=False, no_repeat_ngram=0)
+
+
+def settings(**kw) -> EvalConfig:
+    return dataclasses.replace(PLAIN, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -27,22 +38,34 @@ def sources():
 
 def test_beam_size_one_equals_greedy(model, sources):
     for n in (0, 2):
-        assert beam_search(model, sources, beam_size=1, max_len=12, no_repeat_ngram=n) == \
-            greedy(model, sources, max_len=12, no_repeat_ngram=n)
+        assert beam_search(model, sources, settings(beam_size=1, no_repeat_ngram=n)) == \
+            greedy(model, sources, settings(no_repeat_ngram=n))
 
 
 def test_cached_decoding_equals_recomputation(model, sources):
-    assert greedy(model, sources, max_len=12) == greedy(model, sources, max_len=12, use_cache=False)
-    assert beam_search(model, sources, 3, max_len=12) == beam_search(model, sources, 3, max_len=12, use_cache=False)
+    assert greedy(model, sources, PLAIN) == greedy(model, sources, PLAIN, use_cache=False)
+    s = settings(beam_size=3)
+    assert beam_search(model, sources, s) == beam_search(model, sources, s, use_cache=False)
+
+
+@pytest.mark.parametrize("beam, n, min_len", [(1, 0, 1), (1, 2, 3), (4, 0, 1), (4, 3, 2), (6, 2, 1)])
+def test_same_outputs_as_the_release_1_decoder(model, sources, beam, n, min_len):
+    """Sharing memory across beams, dropping finished sentences and batched bookkeeping change no output."""
+    s = settings(beam_size=beam, no_repeat_ngram=n, min_len=min_len)
+    new = beam_search(model, sources, s) if beam > 1 else greedy(model, sources, s)
+    old = decoding_v1.beam_search(model, sources, beam, max_len=12, min_len=min_len, no_repeat_ngram=n) if beam > 1 \
+        else decoding_v1.greedy(model, sources, max_len=12, min_len=min_len, no_repeat_ngram=n)
+    assert new == old
 
 
 def test_output_does_not_depend_on_the_rest_of_the_batch(model, sources):
-    together = beam_search(model, sources, 4, max_len=12)
+    s = settings(beam_size=4)
+    together = beam_search(model, sources, s)
     for i in range(len(sources)):
         row = sources[i:i + 1]
         row = row[:, :int((row != 0).sum())]  # unpadded, alone
-        assert beam_search(model, row, 4, max_len=12) == [together[i]]
-        assert greedy(model, row, max_len=12) == [greedy(model, sources, max_len=12)[i]]
+        assert beam_search(model, row, s) == [together[i]]
+        assert greedy(model, row, PLAIN) == [greedy(model, sources, PLAIN)[i]]
 
 
 def test_beam_scores_at_least_as_well_as_greedy(model, sources):
@@ -51,16 +74,15 @@ def test_beam_scores_at_least_as_well_as_greedy(model, sources):
         out = torch.tensor(hyp + [3])
         lp = model.decode(tgt, model.encode(sources[i:i + 1]), sources[i:i + 1])[0]
         return lp.gather(-1, out[:, None]).sum().item()
-    g, b = greedy(model, sources, max_len=12), beam_search(model, sources, 6, max_len=12, length_penalty=0.0)
+    g, b = greedy(model, sources, PLAIN), beam_search(model, sources, settings(beam_size=6, length_penalty=0.0))
     for i in range(len(sources)):
         assert score(b[i], i) >= score(g[i], i) - 1e-4
 
 
 def test_lengths_are_bounded(model, sources):
-    for hyp in beam_search(model, sources, 3, max_len=5, min_len=3):
-        assert 3 <= len(hyp) <= 5
-    for hyp in greedy(model, sources, max_len=5, min_len=3):
-        assert 3 <= len(hyp) <= 5
+    for search, beam in ((beam_search, 3), (greedy, 1)):
+        for hyp in search(model, sources, settings(beam_size=beam, max_len=5, min_len=3)):
+            assert 3 <= len(hyp) <= 5
 
 
 def test_ngram_blocking_blocks():
@@ -69,26 +91,68 @@ def test_ngram_blocking_blocks():
     blocked = _block_repeats(scores, prefixes, 3)
     assert blocked[0, 7] == float("-inf") and torch.isfinite(blocked[0]).sum() == 9  # "5 6 7" again
     assert torch.isfinite(blocked[1]).all()
-    for hyp in beam_search(*_repetitive_model(), 4, max_len=15, no_repeat_ngram=2):
+    m = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32, dropout=0.0,
+                            copy=False), 12).eval()
+    torch.manual_seed(3)
+    for hyp in beam_search(m, torch.randint(4, 12, (3, 5)), settings(beam_size=4, max_len=15, no_repeat_ngram=2)):
         bigrams = list(zip(hyp, hyp[1:], strict=False))
         assert len(bigrams) == len(set(bigrams))
 
 
-def _repetitive_model():
-    torch.manual_seed(3)
-    m = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32, dropout=0.0,
-                            copy=False), 12).eval()
-    return m, torch.randint(4, 12, (3, 5))
+# --- word rules: a real tokenizer's pieces, a random model that would happily invent words ----------------
+
+@pytest.fixture(scope="module")
+def lexicon_and_model(tiny_prepared):
+    tokenizer = open_tokenizer(tiny_prepared)
+    known = set(sorted(training_words(tiny_prepared))[::3])  # a third of the training words
+    lex = Lexicon(tokenizer, known)
+    torch.manual_seed(5)
+    m = Seq2Seq(ModelConfig(d_model=32, n_heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=64, dropout=0.0),
+                tokenizer.vocab_size).eval()
+    with torch.no_grad():
+        m.embedding.weight.mul_(3.0)
+    texts = ["the government of france said monday it would cut fuel taxes .",
+             "zorblatt corp shares fell sharply on friday after a profit warning ."]
+    src = torch.nn.utils.rnn.pad_sequence([torch.tensor(tokenizer.encode(t)) for t in texts], batch_first=True)
+    return tokenizer, known, lex, m, src, texts
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_word_rules_emit_only_known_or_source_words_and_never_twice(lexicon_and_model, beam):
+    tokenizer, known, lex, m, src, texts = lexicon_and_model
+    s = settings(beam_size=beam, max_len=20, known_words=True, no_repeat_words=True)
+    free = [tokenizer.decode(h).split() for h in (beam_search if beam > 1 else greedy)(m, src, settings(
+        beam_size=beam, max_len=20))]
+    ruled = [tokenizer.decode(h).split() for h in (beam_search if beam > 1 else greedy)(m, src, s, lex)]
+    assert any(w not in known and w not in texts[i].split() for i, words in enumerate(free) for w in words)
+    for i, words in enumerate(ruled):
+        assert words and all(w in known or w in texts[i].split() for w in words), words
+        assert len(words) == len(set(words)), words
+
+
+def test_word_rules_agree_between_greedy_and_beam_one(lexicon_and_model):
+    _, _, lex, m, src, _ = lexicon_and_model
+    s = settings(max_len=20, known_words=True, no_repeat_words=True)
+    assert greedy(m, src, s, lex) == beam_search(m, src, dataclasses.replace(s, beam_size=1), lex)
+    assert beam_search(m, src, dataclasses.replace(s, beam_size=3), lex) == \
+        beam_search(m, src, dataclasses.replace(s, beam_size=3), lex, use_cache=False)
+
+
+def test_byte_minimum_fills_the_budget(lexicon_and_model):
+    tokenizer, _, lex, m, src, _ = lexicon_and_model
+    for hyp in beam_search(m, src, settings(beam_size=3, max_len=30, truncate_bytes=40), lex):
+        assert len(tokenizer.decode(hyp).encode()) >= 40
 
 
 def test_every_decode_goes_through_decode_all():
-    """Evaluation, summarize, valid ROUGE, sample summaries, the overfit check and the bench all call
-    decode_all; nothing outside decoding.py runs a search loop of its own."""
+    """Evaluation, summarize, valid ROUGE, sample summaries, the overfit check and the bench call
+    decode_all; nothing outside decoding.py runs a search loop of its own (decoding_v1.py is the frozen
+    baseline the bench measures against)."""
     import re
     from pathlib import Path
     search_call = re.compile(r"(?<![\w.])(?<!def )(greedy|beam_search|decode_batch)\(")
     for path in Path("summarizer").glob("*.py"):
-        if path.name != "decoding.py":
+        if path.name not in ("decoding.py", "decoding_v1.py"):
             assert not search_call.search(path.read_text()), path
-    for name in ("evaluate.py", "train.py", "overfit.py", "bench.py"):
+    for name in ("evaluate.py", "train.py", "overfit.py", "bench.py", "summarize.py"):
         assert (Path("summarizer") / name).read_text().count("decode_all(") >= 1, name

@@ -22,7 +22,7 @@ def test_shapes_tally_and_outputs_are_distributions(copy):
     src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))
     memory = model.encode(src)
     assert memory.shape == (3, 7, 32)
-    kv = model.memory_kv(memory)
+    kv = model.start_decoding(memory, src, group=4).memory_kv  # per sentence, not per beam
     assert len(kv) == 2 and kv[0][0].shape == (3, 4, 7, 8)  # (B, H, S, D/H)
     out = model(src, tgt)
     assert out.logits.shape == (3, 5, 50)
@@ -61,12 +61,27 @@ def test_decoder_is_causal():
 def test_kv_cached_decoding_equals_full_recomputation(copy, variant):
     model = tiny_model(copy, **variant)
     src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 6))
-    memory, cache = model.encode(src), {}
+    memory = model.encode(src)
+    state = model.start_decoding(memory, src)
     full = model.decode(tgt, memory, src)
-    steps = [model.decode(tgt[:, i:i + 1], memory, src, cache) for i in range(6)]
+    steps = [model.decode(tgt[:, i:i + 1], memory, src, state) for i in range(6)]
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
-    reordered = Seq2Seq.reorder_cache(cache, torch.tensor([2, 0]))
-    assert reordered["layer0.k"].shape[0] == 2 and torch.equal(reordered["layer0.k"][0], cache["layer0.k"][2])
+    keys = state.self_kv[0][0]
+    Seq2Seq.reorder(state, torch.tensor([2, 0, 0]))
+    assert torch.equal(state.self_kv[0][0][0], keys[2]) and torch.equal(state.self_kv[0][0][1], keys[0])
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_beams_sharing_one_memory_equal_beams_with_copies_of_it(copy):
+    """A group of rows per sentence queries that sentence's memory once, as if each row had its own copy."""
+    model = tiny_model(copy)
+    src, tgt = torch.randint(4, 50, (2, 7)), torch.randint(4, 50, (6, 4))  # 3 beams per sentence
+    src[1, 5:] = 0
+    memory = model.encode(src)
+    shared = model.decode(tgt, memory, src, model.start_decoding(memory, src, group=3))
+    rows = torch.arange(2).repeat_interleave(3)
+    copied = model.decode(tgt, memory[rows], src[rows])
+    assert torch.allclose(shared, copied, atol=1e-5)
 
 
 def test_copy_puts_mass_on_source_tokens():
@@ -114,8 +129,8 @@ def test_explicit_attention_computes_what_sdpa_does(copy):
     with explicit_attention():
         out = model(src, tgt)
         memory = model.encode(src)
-        cache: dict = {}
-        steps = [model.decode(tgt[:, i:i + 1], memory, src, cache) for i in range(tgt.shape[1])]
+        state = model.start_decoding(memory, src)
+        steps = [model.decode(tgt[:, i:i + 1], memory, src, state) for i in range(tgt.shape[1])]
     assert torch.allclose(out.logits, ref.logits, atol=1e-5)
     if copy:
         assert torch.allclose(out.copy_attn, ref.copy_attn, atol=1e-6)

@@ -103,3 +103,12 @@ def test_replaced_model_is_refused(tiny_prepared, tmp_path):
     (copy / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataError, match="sha256"):
         open_tokenizer(copy)
+
+
+def test_restore_digits_puts_back_what_masking_hid():
+    from summarizer.tokenizer import restore_digits
+    source = "Shares fell 3.5 percent to 120 yen in 2024 , 12 analysts said ."
+    assert restore_digits("shares fall #.# percent to ### yen", source) == "shares fall 3.5 percent to 120 yen"
+    assert restore_digits("## analysts see ### yen", source) == "12 analysts see 120 yen"
+    assert restore_digits("##### yen", source) == "##### yen"  # nothing in the source masks to it
+    assert restore_digits("shares fall #.# percent", "shares fell #.# percent") == "shares fall #.# percent"

@@ -1,0 +1,203 @@
+"""Decoding constraints on whole words: each word of a summary is one seen in training or in its own source,
+and no word comes twice. A word is what the pieces between two word starts (SentencePiece's "▁") spell.
+
+A model that strings subword pieces freely can write words that do not exist ("supercomput", "yitz")
+or repeat itself ("heavy heavy turnout"). Here every hypothesis carries the word it is spelling. A piece
+may only extend it towards a known word that the hypothesis has not used yet (a prefix tree over the
+pieces of every known word, and a small one over its source's words), and the word may only end (at
+the next word start, or EOS) once it is complete and unused. Since every allowed piece keeps an unused
+word within reach, a hypothesis never spells itself into a dead end.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from summarizer.tokenizer import BOS, EOS, PAD, UNK, Tokenizer
+
+WORD_START = "\u2581"  # SentencePiece's word-start marker
+
+
+class Lexicon:
+    """What the rules need from a tokenizer and a vocabulary of known words: each piece's text, whether it
+    starts a word and its UTF-8 length, and a prefix tree over the pieces of every known word (node 0 is
+    the root; `words_below[n]` counts the complete words at or under node n)."""
+
+    def __init__(self, tokenizer: Tokenizer, known_words: Iterable[str]):
+        pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+        special = {PAD, UNK, BOS, EOS} | {i for i in range(len(pieces)) if tokenizer.sp.is_control(i)}
+        self.vocab_size = len(pieces)
+        self.starts_word = [p.startswith(WORD_START) and i not in special for i, p in enumerate(pieces)]
+        self.text = ["" if i in special else p.replace(WORD_START, "") for i, p in enumerate(pieces)]
+        self.piece_bytes = torch.tensor([len(p.replace(WORD_START, " ").encode()) if i not in special else 0
+                                         for i, p in enumerate(pieces)], dtype=torch.float32)
+        self.children: list[dict[int, int]] = [{}]
+        self.parent: list[int] = [-1]
+        self.piece_into: list[int] = [-1]  # the piece that leads from a node's parent to it
+        self.complete: list[bool] = [False]
+        for ids in tokenizer.encode_batch(sorted(set(known_words))):
+            self._insert(ids)
+        self.words_below = [int(c) for c in self.complete]
+        for node in range(len(self.children) - 1, 0, -1):  # children come after their parents
+            self.words_below[self.parent[node]] += self.words_below[node]
+        self.any_start = torch.tensor(self.starts_word)  # (V,) pieces that start a word
+        self.known_starts = torch.zeros(self.vocab_size, dtype=torch.bool)  # (V,) first pieces of known words
+        self.known_starts[list(self.children[0])] = True
+
+    def _insert(self, ids: list[int]) -> None:
+        if not ids or not self.starts_word[ids[0]] or any(not self.text[i] for i in ids[1:]):
+            return  # not a word of pieces (a character outside the vocabulary became UNK)
+        node = 0
+        for i in ids:
+            if i not in self.children[node]:
+                self.children[node][i] = len(self.children)
+                self.children.append({})
+                self.parent.append(node)
+                self.piece_into.append(i)
+                self.complete.append(False)
+            node = self.children[node][i]
+        self.complete[node] = True
+
+    def source_words(self, src_ids: list[int]) -> dict[tuple, dict[int, set]]:
+        """A source's words as a prefix tree: each piece prefix of a word (the empty one included) -> next
+        piece -> the words that way; a complete word's pieces map EOS to it."""
+        tree: dict[tuple, dict[int, set]] = {}
+        word: list[int] = []
+        for i in [*src_ids, None]:
+            if (i is None or self.starts_word[i]) and word:
+                if all(self.text[p] for p in word[1:]):
+                    text = "".join(self.text[p] for p in word)
+                    for cut in range(len(word) + 1):
+                        step = word[cut] if cut < len(word) else EOS
+                        tree.setdefault(tuple(word[:cut]), {}).setdefault(step, set()).add(text)
+                word = []
+            if i is not None and (self.text[i] or self.starts_word[i]):
+                word.append(i)
+        return tree
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """One hypothesis: the word it is spelling (pieces, text, node of the known-word tree or -1), the words
+    it has finished, and the tree nodes of those that are known words."""
+    pieces: tuple = ()
+    text: str = ""
+    node: int = 0
+    words: frozenset = frozenset()
+    used: tuple = ()
+
+
+class WordRules:
+    """The rows of one decoding batch: which pieces each may emit next (`mask`), and how each spelling
+    moves on when beams are reordered or finished sentences dropped (`advance`, `select`). With
+    `known_only` off, only repeats are ruled out."""
+
+    def __init__(self, lexicon: Lexicon, sources: list[list[int]], group: int, known_only: bool, no_repeat: bool):
+        self.lexicon, self.known_only, self.no_repeat, self.group = lexicon, known_only, no_repeat, group
+        self.sources = [lexicon.source_words(s) for s in sources]  # per sentence
+        self.rows = [Spelling() for _ in range(len(sources) * group)]
+
+    def _used_below(self, used: tuple) -> dict[int, int]:
+        """Tree node -> how many of the `used` words' nodes lie at or under it."""
+        below: dict[int, int] = {}
+        if self.no_repeat:
+            for node in used:
+                while node > 0:
+                    below[node] = below.get(node, 0) + 1
+                    node = self.lexicon.parent[node]
+        return below
+
+    def _open(self, node: int, below: dict[int, int]) -> bool:
+        """Does an unused known word lie at or under `node`?"""
+        return self.lexicon.words_below[node] > below.get(node, 0)
+
+    def _fresh(self, words: set, used: frozenset) -> bool:
+        return any(w not in used for w in words) if self.no_repeat else bool(words)
+
+    def may_end(self, row: int, spelling: Spelling) -> bool:
+        """May the word this row is spelling end here (be followed by a word start or EOS)?"""
+        if not spelling.pieces:
+            return True  # nothing begun
+        if self.no_repeat and spelling.text in spelling.words:
+            return False  # finishing it would repeat a word
+        if not self.known_only:
+            return True
+        lex, source = self.lexicon, self.sources[row // self.group]
+        return (spelling.node >= 0 and lex.complete[spelling.node]) or EOS in source.get(spelling.pieces, {})
+
+    def _next_pieces(self, row: int, spelling: Spelling, ending: bool) -> tuple[list[int], list[int]]:
+        """(pieces to allow, known word starts to take away), so that an unused word stays within reach:
+        pieces that continue the word, and when it may end, pieces that start one of the source's words."""
+        lex, source = self.lexicon, self.sources[row // self.group]
+        allowed, blocked = [], []
+        if spelling.pieces:  # continue the word
+            below = self._used_below(spelling.used)
+            if spelling.node >= 0:
+                allowed += [p for p, c in lex.children[spelling.node].items() if self._open(c, below)]
+            allowed += [p for p, words in source.get(spelling.pieces, {}).items()
+                        if p != EOS and self._fresh(words, spelling.words)]
+        if ending:  # or start another, the one it ends counted as used
+            words, used = spelling.words, spelling.used
+            if spelling.pieces:
+                words = words | {spelling.text}
+                used = (*used, spelling.node) if spelling.node >= 0 and lex.complete[spelling.node] else used
+            allowed += [p for p, ws in source.get((), {}).items() if self._fresh(ws, words)]
+            below = self._used_below(used)
+            blocked = [lex.piece_into[n] for n in below if lex.parent[n] == 0 and not self._open(n, below)]
+        return allowed, blocked
+
+    def mask(self, log_probs: Tensor) -> Tensor:
+        """Set -inf on every (row, piece) the rules forbid, in place; a row left with nothing may end (EOS)."""
+        if not self.known_only:  # only repeats are ruled out: a repeated word may not end
+            blocked = [r for r, s in enumerate(self.rows) if not self.may_end(r, s)]
+            if blocked:
+                ends = self.lexicon.any_start.to(log_probs.device).clone()
+                ends[EOS] = True
+                log_probs[blocked] = log_probs[blocked].masked_fill(ends, float("-inf"))
+            return log_probs
+        allowed = torch.zeros_like(log_probs, dtype=torch.bool)
+        ending, rows, cols, off_rows, off_cols = [], [], [], [], []
+        for r, spelling in enumerate(self.rows):
+            may_end = self.may_end(r, spelling)
+            extra, blocked = self._next_pieces(r, spelling, may_end)
+            rows += [r] * len(extra)
+            cols += extra
+            off_rows += [r] * len(blocked)
+            off_cols += blocked
+            if may_end:
+                ending.append(r)
+        if ending:
+            allowed[ending] = self.lexicon.known_starts.to(allowed.device)
+            allowed[ending, EOS] = True
+        if off_rows:
+            allowed[off_rows, off_cols] = False
+        if rows:
+            allowed[rows, cols] = True
+        allowed[~allowed.any(dim=1), EOS] = True  # only at max_len can a row run out of words
+        return log_probs.masked_fill_(~allowed, float("-inf"))
+
+    def advance(self, parents: list[int], tokens: list[int]) -> None:
+        """Row i now continues row parents[i] with tokens[i]."""
+        lex, new = self.lexicon, []
+        for parent, token in zip(parents, tokens, strict=True):
+            old = self.rows[parent]
+            if token == EOS or not (lex.text[token] or lex.starts_word[token]):
+                new.append(old)
+            elif lex.starts_word[token]:
+                words, used = old.words, old.used
+                if old.pieces:  # the previous word is finished
+                    words = words | {old.text}
+                    used = (*used, old.node) if old.node >= 0 and lex.complete[old.node] else used
+                new.append(Spelling((token,), lex.text[token], lex.children[0].get(token, -1), words, used))
+            else:
+                node = lex.children[old.node].get(token, -1) if old.node >= 0 else -1
+                new.append(Spelling((*old.pieces, token), old.text + lex.text[token], node, old.words, old.used))
+        self.rows = new
+
+    def select(self, rows: list[int], sentences: list[int]) -> None:
+        """Keep only `rows` (and their `sentences`), when finished sentences leave the batch."""
+        self.rows = [self.rows[r] for r in rows]
+        self.sources = [self.sources[s] for s in sentences]
