@@ -18,7 +18,9 @@ from summarizer.data import PairDataset, TokenBatchSampler, make_loader, padding
 from summarizer.decoding import decode_all
 from summarizer.outputs import atomic_write, claim_dir
 from summarizer.prepared import lexicon, read_meta, valid_split
-from summarizer.train import batches_forever, build, to_device, train_step
+from summarizer.runtime import move_batch
+from summarizer.session import batches_forever, build
+from summarizer.train import train_step
 
 
 def variant(cfg: Config, *overrides: tuple[str, str, object]) -> Config:
@@ -68,7 +70,7 @@ class TrainingProbe:
         runtime.setup(self.cfg)  # re-apply this variant's process-wide switches (e.g. cudnn.benchmark)
         rt, started, tokens = self.rt, time.perf_counter(), 0
         for _ in range(steps or self.cfg.bench.steps):
-            micro = [to_device(next(self.stream)[0], rt) for _ in range(self.cfg.train.accum_steps)]
+            micro = [move_batch(next(self.stream)[0], rt.device) for _ in range(self.cfg.train.accum_steps)]
             out = train_step(self.model, self.optimizer, self.scaler, micro, rt, self.cfg.train)
             tokens += sum(b["n_src"] + b["n_tgt"] for b in micro)
             if self.item_every_step:  # what logging every step costs: host syncs for each value

@@ -44,13 +44,14 @@ def _measure(cfg_dict: dict, variant: str, steps: int, batch_tokens: int) -> dic
     """Run `steps` steps of one variant; report the peak memory above the post-setup baseline."""
     from summarizer.losses import smoothed_nll
     from summarizer.prepared import read_meta
-    from summarizer.train import build, to_device
+    from summarizer.runtime import move_batch
+    from summarizer.session import build
     cfg = from_dict(cfg_dict)
     rt = runtime.setup(cfg)
     torch.manual_seed(0)
     meta = read_meta(cfg.data.dir)
     model, optimizer = build(cfg, rt, meta)[:2]
-    batch = to_device(_synthetic_batch(cfg, batch_tokens, meta["vocab_size"]), rt)
+    batch = move_batch(_synthetic_batch(cfg, batch_tokens, meta["vocab_size"]), rt.device)
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
     base = peak_memory_mb(rt.device) if rt.device.type == "cuda" else current_memory_mb(rt.device)

@@ -47,6 +47,8 @@ class DataConfig:
     num_proc: int = 2  # processes for offline tokenization
     max_source_len: int = 96  # tokens; longer sources are truncated when batched
     max_target_len: int = 40
+    subword_alpha: float = 0.0  # >0: train on sampled segmentations (subword regularisation), smoothing alpha
+    subword_nbest: int = 8  # ...drawn among each word's n best segmentations
     batch_tokens: int = 3000  # token budget per micro-batch (padded source + target)
     bucket_size: int = 1000  # batches per length-sorted pool; larger = less padding, less randomness
     pad_multiple: int = 4  # pad batch lengths up to a multiple of this: fewer distinct shapes for kernel caches
@@ -91,6 +93,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     betas: list = field(default_factory=lambda: [0.9, 0.98])
     label_smoothing: float = 0.1
+    ema_decay: float = 0.999  # moving average of the weights, validated and kept in best.pt (0 = off)
     clip_norm: float = 1.0  # 0 = no clipping (the norm is still logged)
     max_bad_steps: int = 5  # abort after this many non-finite steps in a row
     set_to_none: bool = True
@@ -278,7 +281,8 @@ def validate(cfg: Config) -> None:
                 "data.pad_multiple": d.pad_multiple, "data.max_source_len": d.max_source_len,
                 "data.max_target_len": d.max_target_len, "data.max_source_words": d.max_source_words,
                 "data.max_target_words": d.max_target_words, "data.num_proc": d.num_proc,
-                "data.prefetch_factor": d.prefetch_factor, "eval.beam_size": e.beam_size,
+                "data.prefetch_factor": d.prefetch_factor, "data.subword_nbest": d.subword_nbest,
+                "eval.beam_size": e.beam_size,
                 "eval.batch_size": e.batch_size, "eval.max_len": e.max_len,
                 "eval.bootstrap_samples": e.bootstrap_samples,
                 "placement.pipeline_chunks": cfg.placement.pipeline_chunks, "bench.repeats": cfg.bench.repeats,
@@ -289,7 +293,8 @@ def validate(cfg: Config) -> None:
     not_negative = {"train.max_minutes": t.max_minutes, "train.warmup_steps": t.warmup_steps,
                     "train.weight_decay": t.weight_decay, "train.clip_norm": t.clip_norm,
                     "train.rouge_every": t.rouge_every, "train.rouge_samples": t.rouge_samples,
-                    "train.patience": t.patience, "train.profile_steps": t.profile_steps,
+                    "train.patience": t.patience, "train.ema_decay": t.ema_decay,
+                    "data.subword_alpha": d.subword_alpha, "train.profile_steps": t.profile_steps,
                     "train.sample_summaries": t.sample_summaries, "data.valid_holdout": d.valid_holdout,
                     "data.train_limit": d.train_limit, "eval.min_len": e.min_len, "eval.limit": e.limit,
                     "eval.no_repeat_ngram": e.no_repeat_ngram, "eval.truncate_bytes": e.truncate_bytes,
@@ -307,7 +312,7 @@ def validate(cfg: Config) -> None:
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
     for key, value in {"model.dropout": m.dropout, "model.attention_dropout": m.attention_dropout,
-                       "train.label_smoothing": t.label_smoothing}.items():
+                       "train.label_smoothing": t.label_smoothing, "train.ema_decay": t.ema_decay}.items():
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{key} must be in [0, 1), got {value}")
     if d.vocab_size < 8:

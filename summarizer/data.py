@@ -9,8 +9,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from summarizer.config import DataConfig
-from summarizer.prepared import load_split
+from summarizer.prepared import load_split, read_pairs
 from summarizer.runtime import init_worker
+from summarizer.subwords import SegmentationSampler
 from summarizer.tokenizer import BOS, EOS, PAD
 
 
@@ -21,19 +22,26 @@ class PairDataset(Dataset):
     """
 
     def __init__(self, src: np.ndarray, src_offsets: np.ndarray, tgt: np.ndarray, tgt_offsets: np.ndarray,
-                 max_source_len: int, max_target_len: int):
+                 max_source_len: int, max_target_len: int, resegment: tuple | None = None):
         self.src, self.src_offsets, self.tgt, self.tgt_offsets = src, src_offsets, tgt, tgt_offsets
         self.max_source_len, self.max_target_len = max_source_len, max_target_len
+        # (SegmentationSampler, pairs' normalised text): subword regularisation, or None for the ids as prepared
+        self.resegment = resegment
         # Lengths as the model sees them: truncated source; target plus one BOS/EOS position.
         self.src_lens = np.minimum(np.diff(src_offsets), max_source_len).astype(np.int64)
         self.tgt_lens = np.minimum(np.diff(tgt_offsets), max_target_len).astype(np.int64) + 1
 
     @classmethod
-    def from_dir(cls, data_dir: str | Path, split: str, cfg: DataConfig, limit: int = 0) -> PairDataset:
+    def from_dir(cls, data_dir: str | Path, split: str, cfg: DataConfig, limit: int = 0,
+                 sampler: SegmentationSampler | None = None) -> PairDataset:
+        """A prepared split; with a `sampler`, pairs are re-segmented from their text at every epoch."""
         src, src_offsets, tgt, tgt_offsets = load_split(data_dir, split)
         if limit > 0:  # the first `limit` pairs: offsets are cut, the flat arrays stay mapped as they are
             src_offsets, tgt_offsets = src_offsets[:limit + 1], tgt_offsets[:limit + 1]
-        return cls(src, src_offsets, tgt, tgt_offsets, cfg.max_source_len, cfg.max_target_len)
+        texts = [(p["source"], p["target"]) for p in read_pairs(data_dir, split)[:len(src_offsets) - 1]] \
+            if sampler is not None else None
+        return cls(src, src_offsets, tgt, tgt_offsets, cfg.max_source_len, cfg.max_target_len,
+                   (sampler, texts) if sampler is not None else None)
 
     def __len__(self) -> int:
         return len(self.src_lens)
@@ -45,7 +53,13 @@ class PairDataset(Dataset):
 
     def __getitems__(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         # DataLoader's batched fetch path: one call per batch instead of one per pair.
-        return [self[i] for i in indices]
+        if self.resegment is None:
+            return [self[i] for i in indices]
+        sampler, texts = self.resegment
+        epoch = getattr(indices, "epoch", 0)
+        pairs = (sampler.pair(*texts[i], epoch, i) for i in indices)
+        return [(np.asarray(s[:self.max_source_len], dtype=np.int64),
+                 np.asarray(t[:self.max_target_len], dtype=np.int64)) for s, t in pairs]
 
 
 def round_up(n, multiple: int):
@@ -102,6 +116,14 @@ def token_budget_batches(order: np.ndarray, src_lens: np.ndarray, tgt_lens: np.n
     return batches
 
 
+class EpochBatch(list):
+    """A batch of pair indices that knows its epoch (subword sampling draws per epoch and pair)."""
+
+    def __init__(self, indices, epoch: int):
+        super().__init__(indices)
+        self.epoch = epoch
+
+
 class TokenBatchSampler(Sampler[list[int]]):
     """Length-bucketed token-budget batches: seeded, resumable at any batch, sharded by rank.
 
@@ -153,7 +175,8 @@ class TokenBatchSampler(Sampler[list[int]]):
         return mine
 
     def __iter__(self):
-        yield from self.plan(self.epoch)[self.start:]
+        for batch in self.plan(self.epoch)[self.start:]:
+            yield EpochBatch(batch, self.epoch)
 
     def __len__(self) -> int:
         return len(self.plan(self.epoch)) - self.start

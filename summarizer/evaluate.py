@@ -45,11 +45,11 @@ def eval_checkpoint(cfg: Config) -> Path:
 
 def summary_text(ids: list[int], source: str, tokenizer: Tokenizer, meta: dict, limit: int) -> str:
     """A decoded summary as users and scorers see it: masked digits put back from its source, cut to
-    `limit` bytes (eval.truncate_bytes; 0 = whole)."""
+    the whole words that fit in `limit` bytes (eval.truncate_bytes; 0 = whole)."""
     text = tokenizer.decode(ids)
     if meta["normalization"]["mask_digits"]:
         text = restore_digits(text, source)
-    return truncate_bytes(text.replace("\n", " "), limit)
+    return truncate_bytes(text.replace("\n", " "), limit, whole_words=True)
 
 
 def read_eval_pairs(cfg: Config, meta: dict, tokenizer: Tokenizer) -> tuple[str, list[dict], list[list[int]]]:

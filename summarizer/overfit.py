@@ -11,7 +11,9 @@ from summarizer.decoding import decode_all
 from summarizer.evaluate import load_model
 from summarizer.outputs import claim_dir
 from summarizer.prepared import read_meta
-from summarizer.train import RUN_FILES, evaluate_loss, train
+from summarizer.session import RUN_FILES
+from summarizer.train import train
+from summarizer.validation import evaluate_loss
 
 DIAGNOSIS = """What a failure points to (the checks of a model that should memorise):
   - loss does not fall at all: layers not connected, gradients not flowing (detached tensor, frozen

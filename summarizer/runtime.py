@@ -70,6 +70,11 @@ def move(x: Tensor, device: torch.device) -> Tensor:
     return x.to(device, non_blocking=device.type == "cuda")
 
 
+def move_batch(batch: dict, device: torch.device) -> dict:
+    """A collated batch's id tensors to `device` (non-blocking from pinned memory); token counts stay ints."""
+    return {key: move(value, device) if torch.is_tensor(value) else value for key, value in batch.items()}
+
+
 def resolve_device(name: str) -> torch.device:
     if name in ("", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

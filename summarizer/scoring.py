@@ -20,14 +20,18 @@ def unify_unk(text: str) -> str:
     return _UNK.sub("unk", text)
 
 
-def truncate_bytes(text: str, limit: int) -> str:
+def truncate_bytes(text: str, limit: int, whole_words: bool = False) -> str:
     """The first `limit` bytes of `text` in UTF-8, never cutting a character in two (0 = no limit).
 
-    Like ROUGE-1.5.5's `-b`, the cut may fall inside a word; that partial word is kept.
+    Like ROUGE-1.5.5's `-b`, the cut may fall inside a word and keep part of it; with `whole_words`, a
+    word the cut would split is dropped instead, so a summary shown to a reader holds no broken word.
     """
-    if limit <= 0:
+    if limit <= 0 or len(text.encode("utf-8")) <= limit:
         return text
-    return text.encode("utf-8")[:limit].decode("utf-8", errors="ignore")
+    cut = text.encode("utf-8")[:limit].decode("utf-8", errors="ignore")
+    if whole_words and not text[len(cut)].isspace():
+        cut = cut[:cut.rfind(" ") + 1] if " " in cut else ""
+    return cut.rstrip() if whole_words else cut
 
 
 def pair_scores(predictions: list[str], references: list[list[str]], measure: str = "f",

@@ -1,48 +1,27 @@
-"""The visible training loop: `train_step`, `evaluate_loss`, `train(cfg)`; each practice is a config switch."""
+"""The visible training loop: `train_step`, `train(cfg)` and what happens after each step; each practice
+is a config switch. A run's state is summarizer/session.py, what it measures summarizer/validation.py."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import signal
-import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from summarizer import checkpoint, runtime
-from summarizer.config import Config, TrainConfig, save_config, to_dict
-from summarizer.data import PairDataset, TokenBatchSampler, make_loader
-from summarizer.decoding import decode_all
+from summarizer.config import Config, TrainConfig
 from summarizer.errors import UserError
 from summarizer.losses import smoothed_nll
-from summarizer.model import Seq2Seq, count_parameters
-from summarizer.monitor import Monitor, Profiler, Window, flatten, memory_report, write_manifest
-from summarizer.optim import build_optimizer, build_scheduler
-from summarizer.outputs import claim_dir
-from summarizer.placement import place_model
-from summarizer.prepared import lexicon, open_tokenizer, read_meta, read_pairs, training_words, valid_split
-from summarizer.resume import check_resume
-from summarizer.runtime import Runtime, move
-from summarizer.scoring import ROUGE_TYPES, quality, rouge_report, words
-from summarizer.tokenizer import Tokenizer
-
-# What a run writes to its run dir (besides ckpt_*.pt): how a run dir written before the ownership
-# marker is recognised, and what `make overfit` may clear.
-RUN_FILES = ("config.yaml", "manifest.json", "metrics.jsonl", checkpoint.LATEST, checkpoint.BEST, "profile.txt")
+from summarizer.monitor import Profiler, Window, flatten, memory_report
+from summarizer.runtime import Runtime, move_batch
+from summarizer.session import Session, open_session
+from summarizer.validation import validate
 
 
 class TrainingAborted(UserError):
     """Training cannot go on (non-finite losses, out of memory); the message says what to change."""
-
-
-def to_device(batch: dict, rt: Runtime) -> dict:
-    """Id tensors to the run's input device (non-blocking from pinned memory); token counts stay ints."""
-    return {key: move(value, rt.device) if torch.is_tensor(value) else value for key, value in batch.items()}
 
 
 def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], rt: Runtime,
@@ -78,34 +57,6 @@ def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], r
             "grad_norm": grad_norm.detach(), "finite": finite}
 
 
-@torch.inference_mode()
-def evaluate_loss(model: nn.Module, loader, rt: Runtime) -> dict:
-    """Token-level NLL and perplexity of a split, without dropout or graph building."""
-    nlls, tokens = [], 0
-    with runtime.eval_mode(model):
-        for batch in loader:
-            batch = to_device(batch, rt)
-            with rt.compute():
-                out = model(batch["src_ids"], batch["tgt_in"])
-            nlls.append(smoothed_nll(out, batch["tgt_out"], batch["src_ids"], 0.0)[1].double().to(rt.device))
-            tokens += batch["n_tgt"]
-    nll_sum = torch.stack(nlls).sum() if nlls else torch.zeros((), dtype=torch.float64, device=rt.device)
-    totals = runtime.all_reduce_sum(torch.stack([nll_sum, torch.tensor(float(tokens), device=rt.device,
-                                                                       dtype=torch.float64)]), rt)
-    loss = float(totals[0] / totals[1].clamp_min(1))
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(totals[1])}
-
-
-def batches_forever(loader, sampler: TokenBatchSampler, epoch: int, position: int):
-    """Yield (batch, epoch, position after it), epoch after epoch, starting mid-epoch if resuming."""
-    while True:
-        sampler.set_epoch(epoch, position)
-        for batch in loader:
-            position += 1
-            yield batch, epoch, position
-        epoch, position = epoch + 1, 0
-
-
 class StopFlag:
     """SIGINT/SIGTERM ask the loop to checkpoint and exit; a second SIGINT interrupts at once."""
 
@@ -127,53 +78,6 @@ class StopFlag:
             signal.signal(sig, handler)
 
 
-def build(cfg: Config, rt: Runtime, meta: dict, state: dict | None = None):
-    """Model, optimizer and scaler, placed on their devices (not yet DDP-wrapped), with a checkpoint's
-    `state` restored if given: the model is then built from the checkpoint's own config."""
-    model = checkpoint.restore_model(state) if state else Seq2Seq(cfg.model, meta["vocab_size"])
-    model = place_model(model, rt, cfg.placement.pipeline_chunks)
-    optimizer, scaler = build_optimizer(model, cfg.train), runtime.make_scaler(rt)
-    if state:
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-    return model, optimizer, scaler
-
-
-def resume_state(cfg: Config, meta: dict) -> tuple[dict | None, list[dict]]:
-    """The run's newest readable checkpoint (None for a new run) and the config changes it resumes
-    with; refuses another tokenizer and changes that cannot take effect mid-run."""
-    found = checkpoint.load_latest(cfg.run_dir)
-    if found is None:
-        return None, []
-    state, path, skipped = found
-    for problem in skipped:
-        print(f"warning: {problem}; resuming from {path.name} instead", file=sys.stderr)
-    checkpoint.check_tokenizer(state["data_meta"], meta, f"run {cfg.run_dir}")
-    changes = check_resume(state["config"], cfg, cfg.run_dir, state["step"])
-    if changes:
-        print(f"resuming at step {state['step']} with changed settings: " + ", ".join(
-            f"{c['key']} {c['old']!r} -> {c['new']!r}" for c in changes), file=sys.stderr)
-    return state, changes
-
-
-def snapshot(cfg: Config, meta: dict, model, optimizer, scaler, progress: dict) -> dict:
-    """Everything a resumed run needs, from the unwrapped module (never the DDP/placement wrapper). The
-    schedule is not stored: it is a function of the step and the config (so a new train.lr takes effect)."""
-    return {"model": runtime.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(), "rng": checkpoint.rng_state(),
-            "progress": dict(progress), "step": progress["step"], "config": to_dict(cfg),
-            "data_meta": {k: meta.get(k) for k in ("spm_sha256", "vocab_size", "normalization", "fingerprint")}}
-
-
-def sample_summaries(model, dataset: PairDataset, tokenizer: Tokenizer, rt: Runtime, cfg: Config) -> str:
-    """Greedy summaries of the first `train.sample_summaries` valid pairs, as Markdown for TensorBoard."""
-    pairs = [dataset[i] for i in range(min(cfg.train.sample_summaries, len(dataset)))]
-    hyps = decode_all(model, [s for s, _ in pairs], dataclasses.replace(cfg.eval, beam_size=1), rt,
-                      lexicon=lexicon(cfg.data.dir))
-    return "\n\n".join(f"source: {tokenizer.decode(s.tolist())}  \nreference: {tokenizer.decode(t.tolist())}  \n"
-                       f"greedy: {tokenizer.decode(h)}" for (s, t), h in zip(pairs, hyps, strict=True))
-
-
 def oom_message(exc: BaseException, micro_batches: list[dict], cfg: Config, rt: Runtime, step: int) -> str:
     shapes = ", ".join(f"{tuple(b['src_ids'].shape)}->{tuple(b['tgt_in'].shape)}" for b in micro_batches)
     tokens = sum(b["n_src"] + b["n_tgt"] for b in micro_batches)
@@ -191,69 +95,6 @@ def _agree(flag: bool, rt: Runtime) -> bool:
     return bool(runtime.all_reduce_sum(torch.tensor(float(flag), device=rt.device), rt) > 0)
 
 
-@dataclass
-class Session:
-    """Everything one training run holds; built by `open_session`, driven by `train`."""
-    cfg: Config
-    rt: Runtime
-    meta: dict
-    tokenizer: Tokenizer
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    progress: dict
-    stream: Iterator
-    valid_ds: PairDataset
-    valid_loader: DataLoader
-    monitor: Monitor
-    resumed: bool
-    rouge_pairs: list | None = None  # the valid pairs ROUGE is measured on during training, read once
-
-    def snapshot(self) -> dict:
-        return snapshot(self.cfg, self.meta, self.model, self.optimizer, self.scaler, self.progress)
-
-
-def open_session(cfg: Config) -> Session:
-    """Devices, seeds, data, model and optimizer state: fresh, or restored from the run's latest checkpoint."""
-    rt = runtime.setup(cfg)
-    runtime.seed_everything(cfg.train.seed, cfg.train.deterministic)
-    meta, tokenizer = read_meta(cfg.data.dir), open_tokenizer(cfg.data.dir)
-    if rt.is_main:
-        claim_dir(cfg.run_dir, "run", "run.dir", legacy=RUN_FILES, also=("overfit",))
-    state, changes = resume_state(cfg, meta)
-    model, optimizer, scaler = build(cfg, rt, meta, state)
-    progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
-    if state is not None:
-        checkpoint.set_rng_state(state["rng"])
-        progress = state["progress"]
-    del state  # the weights now live in the model
-    scheduler = build_scheduler(optimizer, cfg.train, progress["step"])
-    model = runtime.wrap_ddp(model, rt)
-    if cfg.train.compile:
-        model = torch.compile(model)
-    train_ds = PairDataset.from_dir(cfg.data.dir, "train", cfg.data, limit=cfg.data.train_limit)
-    sampler = TokenBatchSampler(train_ds.src_lens, train_ds.tgt_lens, cfg.data.batch_tokens, cfg.data.bucket_size,
-                                shuffle=True, seed=cfg.train.seed, rank=rt.rank, world_size=rt.world_size,
-                                pad_multiple=cfg.data.pad_multiple)
-    stream = batches_forever(make_loader(train_ds, sampler, cfg.data, rt.device, cfg.train.seed), sampler,
-                             progress["epoch"], progress["position"])
-    valid_name = valid_split(meta)
-    valid_ds = PairDataset.from_dir(cfg.data.dir, valid_name, cfg.data)
-    valid_loader = make_loader(valid_ds, TokenBatchSampler(
-        valid_ds.src_lens, valid_ds.tgt_lens, cfg.data.batch_tokens, shuffle=False, rank=rt.rank,
-        world_size=rt.world_size, even=False, pad_multiple=cfg.data.pad_multiple), cfg.data, rt.device, cfg.train.seed)
-    if rt.is_main:
-        save_config(cfg, cfg.run_dir / "config.yaml")
-        write_manifest(cfg, cfg.run_dir, rt.devices, rt.precision, meta, rt.world_size, changes)
-    monitor = Monitor(cfg, rt.is_main, progress["step"], cfg.train.max_steps)
-    monitor.write(f"model {count_parameters(model) / 1e6:.1f}M parameters, precision {rt.precision}, "
-                  f"{len(train_ds)} train pairs, {len(valid_ds)} {valid_name} pairs, "
-                  f"{'resuming at step ' + str(progress['step']) if progress['step'] else 'starting'}")
-    return Session(cfg, rt, meta, tokenizer, model, optimizer, scheduler, scaler, progress, stream,
-                   valid_ds, valid_loader, monitor, progress["step"] > 0)
-
-
 def train(cfg: Config) -> dict:
     """Train (or resume) the run `cfg.run.name` until max_steps, max_minutes, a signal or early stopping."""
     s = open_session(cfg)
@@ -267,13 +108,15 @@ def train(cfg: Config) -> dict:
             t0, micro = time.perf_counter(), []
             for _ in range(t.accum_steps):
                 batch, epoch, position = next(s.stream)
-                micro.append(to_device(batch, rt))
+                micro.append(move_batch(batch, rt.device))
             data_s = time.perf_counter() - t0
             try:
                 out = train_step(s.model, s.optimizer, s.scaler, micro, rt, t)
             except (torch.OutOfMemoryError, MemoryError) as exc:
                 raise TrainingAborted(oom_message(exc, micro, cfg, rt, progress["step"])) from None
             s.scheduler.step()
+            if s.ema is not None:
+                s.ema.update_parameters(runtime.unwrap(s.model))
             progress.update(step=progress["step"] + 1, epoch=epoch, position=position,
                             elapsed_s=time.perf_counter() - started)
             window.add(out, micro, data_s)
@@ -322,47 +165,3 @@ def after_step(s: Session, window: Window, out: dict, time_up: bool) -> bool:
     return time_up or early_stop
 
 
-def validate(s: Session, extra: dict, rouge: bool) -> bool:
-    """Validation loss, ROUGE on a fixed valid subset when due, samples, and best-checkpoint
-    bookkeeping by `train.select_by`; True when patience runs out."""
-    started = time.perf_counter()
-    metrics = evaluate_loss(runtime.unwrap(s.model), s.valid_loader, s.rt)
-    metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
-    if rouge:
-        # Every rank decodes the same subset deterministically, so all agree on the best without talking.
-        metrics.update(valid_rouge(s))
-    s.monitor.log(s.progress["step"], "valid", {**metrics, **extra})
-    if s.rt.is_main and s.cfg.train.sample_summaries:
-        s.monitor.text("samples", sample_summaries(s.model, s.valid_ds, s.tokenizer, s.rt, s.cfg), s.progress["step"])
-    metric = "rouge1" if s.cfg.train.select_by == "rouge" else "loss"
-    if metric not in metrics:
-        return False  # the best is judged only where ROUGE was measured
-    if improves(metric, metrics[metric], s.progress["best"]):
-        s.progress.update(best={"metric": metric, "value": metrics[metric]}, bad_evals=0)
-        if s.rt.is_main:
-            checkpoint.save(s.snapshot(), s.cfg.run_dir / checkpoint.BEST)
-    else:
-        s.progress["bad_evals"] += 1
-    return bool(s.cfg.train.patience) and s.progress["bad_evals"] >= s.cfg.train.patience
-
-
-def improves(metric: str, value: float, best: dict | None) -> bool:
-    """Is `value` of `metric` better than the best so far? Loss falls, ROUGE rises."""
-    if best is None:
-        return True
-    return value < best["value"] if metric == "loss" else value > best["value"]
-
-
-def valid_rouge(s: Session) -> dict:
-    """Greedy ROUGE-1/2/L F and the quality rates (non-words, repeats, length) on the first
-    `train.rouge_samples` valid pairs: fast, and comparable across steps."""
-    if s.rouge_pairs is None:
-        s.rouge_pairs = read_pairs(s.cfg.data.dir, valid_split(s.meta))[:s.cfg.train.rouge_samples]
-    pairs = s.rouge_pairs
-    hyps = decode_all(s.model, [s.valid_ds[i][0] for i in range(len(pairs))],
-                      dataclasses.replace(s.cfg.eval, beam_size=1), s.rt, lexicon=lexicon(s.cfg.data.dir))
-    predictions = [s.tokenizer.decode(h) for h in hyps]
-    references = [p.get("references") or [p["target"]] for p in pairs]
-    report = rouge_report(predictions, references, samples=0)
-    rates = quality(predictions, [[words(p["source"])] for p in pairs], references, training_words(s.cfg.data.dir))
-    return {**{kind: report[kind]["f"] for kind in ROUGE_TYPES}, **rates}

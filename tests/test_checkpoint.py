@@ -68,12 +68,12 @@ def test_tokenizer_mismatch_is_refused():
 
 
 def test_models_are_built_in_one_place_each():
-    """A fresh model is built by train.build, a checkpoint's by checkpoint.restore_model (from its own config)."""
+    """A fresh model is built by session.build, a checkpoint's by checkpoint.restore_model (from its own config)."""
     import re
     from pathlib import Path
     call = re.compile(r"(?<![\w.])(?<!class )Seq2Seq\(")
     builders = {p.name for p in Path("summarizer").glob("*.py") if call.search(p.read_text())}
-    assert builders == {"train.py", "checkpoint.py"}, builders
+    assert builders == {"session.py", "checkpoint.py"}, builders
 
 
 def test_restore_model_uses_the_checkpoints_own_config():

@@ -154,5 +154,5 @@ def test_every_decode_goes_through_decode_all():
     for path in Path("summarizer").glob("*.py"):
         if path.name not in ("decoding.py", "decoding_v1.py"):
             assert not search_call.search(path.read_text()), path
-    for name in ("evaluate.py", "train.py", "overfit.py", "bench.py", "summarize.py"):
+    for name in ("evaluate.py", "validation.py", "overfit.py", "bench.py", "summarize.py"):
         assert (Path("summarizer") / name).read_text().count("decode_all(") >= 1, name

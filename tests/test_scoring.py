@@ -42,6 +42,11 @@ def test_truncation_never_splits_a_character():
         assert text.startswith(cut) and len(cut.encode()) <= max(limit, 1)
     assert truncate_bytes("zürich", 2) == "z" and truncate_bytes("zürich", 3) == "zü"  # ü is 2 bytes
     assert truncate_bytes("abc", 0) == "abc"  # 0 = no limit
+    assert truncate_bytes("police arrest suspect", 15) == "police arrest s"  # as ROUGE-1.5.5 -b cuts
+    assert truncate_bytes("police arrest suspect", 15, whole_words=True) == "police arrest"
+    assert truncate_bytes("police arrest suspect", 14, whole_words=True) == "police arrest"
+    assert truncate_bytes("zürich café", 13, whole_words=True) == "zürich café"  # fits: 13 bytes
+    assert truncate_bytes("zürich café", 12, whole_words=True) == "zürich"
 
 
 def test_recall_picks_the_reference_with_the_best_recall():

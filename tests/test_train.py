@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from summarizer import runtime
+from summarizer import runtime, validation
 from summarizer import train as train_mod
 from summarizer.config import load_config
 from summarizer.data import PairDataset, collate
 from summarizer.errors import DataError
 from summarizer.model import Seq2Seq
 from summarizer.optim import build_optimizer
+from summarizer.runtime import move_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.d_model=32", "model.n_heads=4", "model.encoder_layers=1", "model.decoder_layers=1",
@@ -50,7 +51,7 @@ def test_accumulated_micro_batches_equal_one_big_batch(tiny_data):
     pairs_a, pairs_b = [ds[i] for i in range(0, 5)], [ds[i] for i in range(5, 12)]
     params = []
     for micro in ([collate(pairs_a), collate(pairs_b)], [collate(pairs_a + pairs_b)]):
-        micro = [train_mod.to_device(b, rt) for b in micro]
+        micro = [move_batch(b, rt.device) for b in micro]
         torch.manual_seed(0)
         model = Seq2Seq(cfg.model, 192)
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -67,7 +68,7 @@ def test_clipping_bounds_the_update_and_logs_the_raw_norm(tiny_data):
     model = Seq2Seq(cfg.model, 192)
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
     out = train_mod.train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), runtime.make_scaler(rt),
-                               [train_mod.to_device(collate([ds[i] for i in range(8)]), rt)], rt, cfg.train)
+                               [move_batch(collate([ds[i] for i in range(8)]), rt.device)], rt, cfg.train)
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert out["grad_norm"] > 0.01 and out["finite"]
     assert (after - before).norm() == pytest.approx(0.01, rel=1e-3)
@@ -83,7 +84,7 @@ def test_non_finite_gradients_skip_the_step(tiny_data):
         model.decoder_norm.weight[0] = float("nan")
     before = [p.detach().clone() for p in model.parameters()]
     out = train_mod.train_step(model, build_optimizer(model, cfg.train), runtime.make_scaler(rt),
-                               [train_mod.to_device(collate([ds[i] for i in range(4)]), rt)], rt, cfg.train)
+                               [move_batch(collate([ds[i] for i in range(4)]), rt.device)], rt, cfg.train)
     assert not out["finite"]
     assert all(torch.equal(a, b) or torch.isnan(a).any() for a, b in zip(before, model.parameters(), strict=True))
 
@@ -110,7 +111,7 @@ def test_checkpoint_and_validation_time_stay_out_of_the_throughput_window(tiny_d
     monkeypatch.setattr(train_mod, "Window", functools.partial(train_mod.Window, clock=lambda: now[0]))
     monkeypatch.setattr(train_mod, "train_step", taking(0.1, train_mod.train_step))
     monkeypatch.setattr(train_mod.checkpoint, "save_step", taking(100.0, train_mod.checkpoint.save_step))
-    monkeypatch.setattr(train_mod, "evaluate_loss", taking(100.0, train_mod.evaluate_loss))
+    monkeypatch.setattr(validation, "evaluate_loss", taking(100.0, validation.evaluate_loss))
     train_mod.train(make_cfg(tiny_data, tmp_path / "run", "train.max_steps=30", "train.ckpt_every=10",
                              "train.eval_every=10", "train.rouge_every=0", "train.select_by=loss"))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -151,8 +152,10 @@ def _wait_for(path: Path, proc, timeout=600):  # a safety net on a busy machine,
         time.sleep(0.01)
 
 
-def test_resume_after_sigkill_logs_exactly_the_uninterrupted_losses(tiny_data, tmp_path):
-    extra = ["train.max_steps=80", "train.ckpt_every=20", "train.eval_every=40"]
+@pytest.mark.parametrize("sampling", [[], ["data.subword_alpha=0.2", "data.num_workers=2"]])
+def test_resume_after_sigkill_logs_exactly_the_uninterrupted_losses(tiny_data, tmp_path, sampling):
+    """With or without sampled segmentations (drawn per seed, epoch and pair, in worker processes)."""
+    extra = ["train.max_steps=80", "train.ckpt_every=20", "train.eval_every=40", *sampling]
     reference = _launch(tiny_data, tmp_path / "ref", *extra)
     assert reference.wait(timeout=600) == 0
     killed = _launch(tiny_data, tmp_path / "killed", *extra)
@@ -164,6 +167,9 @@ def test_resume_after_sigkill_logs_exactly_the_uninterrupted_losses(tiny_data, t
     assert resumed.wait(timeout=600) == 0, resumed.stdout.read().decode()[-2000:]
     assert train_losses(tmp_path / "killed") == train_losses(tmp_path / "ref")
     assert [s for s, _ in train_losses(tmp_path / "ref")] == list(range(5, 81, 5))
+    final = [torch.load(tmp_path / run / "ckpt_00000080.pt", weights_only=True) for run in ("ref", "killed")]
+    for key in ("model", "ema"):  # the weights and their moving average resume exactly too
+        assert all(torch.equal(a, b) for a, b in zip(final[0][key].values(), final[1][key].values(), strict=True))
 
 
 @pytest.mark.parametrize("sig, workers", [(signal.SIGTERM, 0), (signal.SIGINT, 2), (signal.SIGTERM, 2)])
@@ -226,3 +232,15 @@ def test_rouge_during_training_selects_the_best_checkpoint(tiny_data, tmp_path):
     assert summary["best"]["metric"] == "rouge1"  # the metric's own name and sign
     assert summary["best"]["value"] == pytest.approx(max(r["rouge1"] for r in with_rouge), abs=1e-5)  # logs round
     assert (run / "best.pt").exists()
+
+
+def test_best_checkpoint_holds_the_moving_average_of_the_weights(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=20", "train.eval_every=20", "train.ckpt_every=20",
+                             "train.rouge_every=0", "train.select_by=loss", "train.ema_decay=0.9"))
+    best, step = torch.load(run / "best.pt", weights_only=True), torch.load(run / "ckpt_00000020.pt", weights_only=True)
+    assert best["step"] == 20 and "optimizer" not in best
+    assert int(step["ema"]["n_averaged"]) == 20
+    for name, tensor in best["model"].items():
+        assert torch.equal(tensor, step["ema"][f"module.{name}"])  # what validation scored
+    assert any(not torch.equal(best["model"][k], step["model"][k]) for k in best["model"])  # not the raw weights

@@ -1,0 +1,173 @@
+"""A training run's state, opened fresh or from its newest checkpoint: devices, data streams, model,
+optimizer, schedule, the weights' moving average, progress; and the snapshot a checkpoint stores."""
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import DataLoader
+
+from summarizer import checkpoint, runtime
+from summarizer.config import Config, save_config, to_dict
+from summarizer.data import PairDataset, TokenBatchSampler, make_loader
+from summarizer.model import Seq2Seq, count_parameters
+from summarizer.monitor import Monitor, write_manifest
+from summarizer.optim import build_optimizer, build_scheduler
+from summarizer.outputs import claim_dir
+from summarizer.placement import place_model
+from summarizer.prepared import open_tokenizer, read_meta, valid_split
+from summarizer.resume import check_resume
+from summarizer.runtime import Runtime
+from summarizer.subwords import SegmentationSampler
+from summarizer.tokenizer import Tokenizer
+
+# What a run writes to its run dir (besides ckpt_*.pt): how a run dir written before the ownership
+# marker is recognised, and what `make overfit` may clear.
+RUN_FILES = ("config.yaml", "manifest.json", "metrics.jsonl", checkpoint.LATEST, checkpoint.BEST, "profile.txt")
+
+
+
+def batches_forever(loader, sampler: TokenBatchSampler, epoch: int, position: int):
+    """Yield (batch, epoch, position after it), epoch after epoch, starting mid-epoch if resuming."""
+    while True:
+        sampler.set_epoch(epoch, position)
+        for batch in loader:
+            position += 1
+            yield batch, epoch, position
+        epoch, position = epoch + 1, 0
+
+
+def build(cfg: Config, rt: Runtime, meta: dict, state: dict | None = None):
+    """Model, optimizer and scaler, placed on their devices (not yet DDP-wrapped), with a checkpoint's
+    `state` restored if given: the model is then built from the checkpoint's own config."""
+    model = checkpoint.restore_model(state) if state else Seq2Seq(cfg.model, meta["vocab_size"])
+    model = place_model(model, rt, cfg.placement.pipeline_chunks)
+    optimizer, scaler = build_optimizer(model, cfg.train), runtime.make_scaler(rt)
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+    return model, optimizer, scaler
+
+
+def build_ema(model: nn.Module, decay: float, state: dict | None) -> AveragedModel | None:
+    """An exponential moving average of the weights (train.ema_decay; 0 = none): w_ema <- decay * w_ema +
+    (1 - decay) * w after every optimizer step, starting from the first step's weights. It is what
+    validation scores and what best.pt holds; a resumed run restores it from its checkpoint."""
+    if not decay:
+        return None
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
+    if state and "ema" in state:
+        ema.load_state_dict(state["ema"])
+    return ema
+
+
+def resume_state(cfg: Config, meta: dict) -> tuple[dict | None, list[dict]]:
+    """The run's newest readable checkpoint (None for a new run) and the config changes it resumes
+    with; refuses another tokenizer and changes that cannot take effect mid-run."""
+    found = checkpoint.load_latest(cfg.run_dir)
+    if found is None:
+        return None, []
+    state, path, skipped = found
+    for problem in skipped:
+        print(f"warning: {problem}; resuming from {path.name} instead", file=sys.stderr)
+    checkpoint.check_tokenizer(state["data_meta"], meta, f"run {cfg.run_dir}")
+    changes = check_resume(state["config"], cfg, cfg.run_dir, state["step"])
+    if changes:
+        print(f"resuming at step {state['step']} with changed settings: " + ", ".join(
+            f"{c['key']} {c['old']!r} -> {c['new']!r}" for c in changes), file=sys.stderr)
+    return state, changes
+
+
+def snapshot(cfg: Config, meta: dict, model, optimizer, scaler, ema, progress: dict) -> dict:
+    """Everything a resumed run needs, from the unwrapped module (never the DDP/placement wrapper). The
+    schedule is not stored: it is a function of the step and the config (so a new train.lr takes effect)."""
+    state = {"model": runtime.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+             "scaler": scaler.state_dict(), "rng": checkpoint.rng_state(),
+             "progress": dict(progress), "step": progress["step"], "config": to_dict(cfg),
+             "data_meta": {k: meta.get(k) for k in ("spm_sha256", "vocab_size", "normalization", "fingerprint")}}
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    return state
+
+
+@dataclass
+class Session:
+    """Everything one training run holds; built by `open_session`, driven by `train`."""
+    cfg: Config
+    rt: Runtime
+    meta: dict
+    tokenizer: Tokenizer
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    progress: dict
+    stream: Iterator
+    valid_ds: PairDataset
+    valid_loader: DataLoader
+    monitor: Monitor
+    resumed: bool
+    ema: AveragedModel | None = None
+    rouge_pairs: list | None = None  # the valid pairs ROUGE is measured on during training, read once
+
+    @property
+    def eval_model(self) -> nn.Module:
+        """The weights validation scores and best.pt keeps: the moving average, if one is kept."""
+        return self.ema.module if self.ema is not None else runtime.unwrap(self.model)
+
+    def snapshot(self) -> dict:
+        return snapshot(self.cfg, self.meta, self.model, self.optimizer, self.scaler, self.ema, self.progress)
+
+    def best_snapshot(self) -> dict:
+        """best.pt: the validated weights (the average, if kept) as its model; nothing to resume from."""
+        return {**{k: v for k, v in self.snapshot().items() if k not in ("optimizer", "scaler", "ema")},
+                "model": self.eval_model.state_dict()}
+
+
+def open_session(cfg: Config) -> Session:
+    """Devices, seeds, data, model and optimizer state: fresh, or restored from the run's latest checkpoint."""
+    rt = runtime.setup(cfg)
+    runtime.seed_everything(cfg.train.seed, cfg.train.deterministic)
+    meta, tokenizer = read_meta(cfg.data.dir), open_tokenizer(cfg.data.dir)
+    if rt.is_main:
+        claim_dir(cfg.run_dir, "run", "run.dir", legacy=RUN_FILES, also=("overfit",))
+    state, changes = resume_state(cfg, meta)
+    model, optimizer, scaler = build(cfg, rt, meta, state)
+    ema = build_ema(model, cfg.train.ema_decay, state)
+    progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
+    if state is not None:
+        checkpoint.set_rng_state(state["rng"])
+        progress = state["progress"]
+    del state  # the weights now live in the model
+    scheduler = build_scheduler(optimizer, cfg.train, progress["step"])
+    model = runtime.wrap_ddp(model, rt)
+    if cfg.train.compile:
+        model = torch.compile(model)
+    resample = SegmentationSampler(tokenizer, cfg.data.subword_alpha, cfg.data.subword_nbest, cfg.train.seed) \
+        if cfg.data.subword_alpha > 0 else None
+    train_ds = PairDataset.from_dir(cfg.data.dir, "train", cfg.data, limit=cfg.data.train_limit, sampler=resample)
+    sampler = TokenBatchSampler(train_ds.src_lens, train_ds.tgt_lens, cfg.data.batch_tokens, cfg.data.bucket_size,
+                                shuffle=True, seed=cfg.train.seed, rank=rt.rank, world_size=rt.world_size,
+                                pad_multiple=cfg.data.pad_multiple)
+    stream = batches_forever(make_loader(train_ds, sampler, cfg.data, rt.device, cfg.train.seed), sampler,
+                             progress["epoch"], progress["position"])
+    valid_name = valid_split(meta)
+    valid_ds = PairDataset.from_dir(cfg.data.dir, valid_name, cfg.data)
+    valid_loader = make_loader(valid_ds, TokenBatchSampler(
+        valid_ds.src_lens, valid_ds.tgt_lens, cfg.data.batch_tokens, shuffle=False, rank=rt.rank,
+        world_size=rt.world_size, even=False, pad_multiple=cfg.data.pad_multiple), cfg.data, rt.device, cfg.train.seed)
+    if rt.is_main:
+        save_config(cfg, cfg.run_dir / "config.yaml")
+        write_manifest(cfg, cfg.run_dir, rt.devices, rt.precision, meta, rt.world_size, changes)
+    monitor = Monitor(cfg, rt.is_main, progress["step"], cfg.train.max_steps)
+    monitor.write(f"model {count_parameters(model) / 1e6:.1f}M parameters, precision {rt.precision}, "
+                  f"{len(train_ds)} train pairs, {len(valid_ds)} {valid_name} pairs, "
+                  f"{'resuming at step ' + str(progress['step']) if progress['step'] else 'starting'}")
+    return Session(cfg, rt, meta, tokenizer, model, optimizer, scheduler, scaler, progress, stream,
+                   valid_ds, valid_loader, monitor, progress["step"] > 0, ema)
+
+
