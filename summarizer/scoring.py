@@ -36,10 +36,12 @@ def truncate_bytes(text: str, limit: int, whole_words: bool = False) -> str:
 
 def pair_scores(predictions: list[str], references: list[list[str]], measure: str = "f",
                 desc: str = "") -> np.ndarray:
-    """(pairs, 3 ROUGE types, 3 measures p/r/f) as fractions, against the best reference per ROUGE type.
+    """(pairs, 3 ROUGE types, 3 measures p/r/f) as fractions, over each pair's references.
 
-    The best reference is the one with the highest `measure` (F-measure by default, as rouge-score's
-    score_multi picks; recall when recall is what is reported); its p, r and f are kept together.
+    For F (`measure` "f"), each ROUGE type takes the best reference, the one with the highest F
+    (rouge-score's score_multi), keeping its p, r and f together. For recall ("r", DUC's measure),
+    each measure is the mean over the references, as ROUGE-1.5.5 scores several references by
+    default (`-f A`): a summary is credited for what every reference has, not only the closest one.
     """
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
@@ -50,12 +52,13 @@ def pair_scores(predictions: list[str], references: list[list[str]], measure: st
     for i, (pred, refs) in enumerate(tqdm(pairs, total=len(predictions), desc=desc, unit="pair", file=sys.stderr,
                                           disable=None if desc else True, mininterval=1.0, leave=False)):
         pred = unify_unk(pred)
-        for ref in refs:
-            scores = scorer.score(unify_unk(ref), pred)
-            for j, kind in enumerate(ROUGE_TYPES):
-                values = (scores[kind].precision, scores[kind].recall, scores[kind].fmeasure)
-                if values[pick] > out[i, j, pick] or not out[i, j].any():
-                    out[i, j] = values
+        per_ref = np.array([[(s.precision, s.recall, s.fmeasure) for s in (scores[kind] for kind in ROUGE_TYPES)]
+                            for scores in (scorer.score(unify_unk(ref), pred) for ref in refs)])  # (refs, 3, 3)
+        if measure == "r":
+            out[i] = per_ref.mean(axis=0)
+        else:
+            best = per_ref[:, :, pick].argmax(axis=0)  # per type
+            out[i] = per_ref[best, np.arange(len(ROUGE_TYPES))]
     return out
 
 
@@ -74,9 +77,9 @@ def bootstrap_means(values: np.ndarray, samples: int, rng: np.random.Generator) 
 
 def rouge_report(predictions: list[str], references: list[list[str]], samples: int, seed: int = 0,
                  measure: str = "f") -> dict:
-    """Mean ROUGE-1/2/L F, P and R (percent) over pairs, best reference per type, with a bootstrap 95%
-    interval of `measure` (`samples` resamples, seeded; 0 = no interval): {"rouge1": {"f", "p", "r",
-    "f_ci"}, ...}, with `r_ci` too when recall is the measure."""
+    """Mean ROUGE-1/2/L F, P and R (percent) over pairs (several references as `pair_scores` combines
+    them for `measure`), with a bootstrap 95% interval of `measure` (`samples` resamples, seeded; 0 = no
+    interval): {"rouge1": {"f", "p", "r", "f_ci"}, ...}, with `r_ci` too when recall is the measure."""
     scores = 100.0 * pair_scores(predictions, references, measure)  # (n, 3, 3)
     report = {kind: {m: float(scores[:, j, i].mean()) for i, m in enumerate(MEASURES)}
               for j, kind in enumerate(ROUGE_TYPES)}

@@ -49,13 +49,14 @@ def test_truncation_never_splits_a_character():
     assert truncate_bytes("zürich café", 12, whole_words=True) == "zürich"
 
 
-def test_recall_picks_the_reference_with_the_best_recall():
-    pred = ["police arrest suspect in robbery"]
-    refs = [["police arrest suspect in bank robbery downtown today", "police arrest suspect"]]
+def test_f_takes_the_best_reference_and_recall_the_mean_over_references():
+    pred = ["police arrest suspect"]
+    refs = [["police arrest suspect in bank robbery", "police arrest suspect"]]  # recall 3/6 and 3/3
     by_f, by_r = pair_scores(pred, refs, "f")[0, 0], pair_scores(pred, refs, "r")[0, 0]  # rouge1: p, r, f
-    assert by_r[1] == pytest.approx(1.0) and by_f[1] < 1.0  # the short reference is all recalled
-    report = rouge_report(pred, refs, samples=20, measure="r")
-    assert report["rouge1"]["r"] == pytest.approx(100.0) and report["rouge1"]["r_ci"] == pytest.approx([100, 100])
+    assert by_f[2] == pytest.approx(1.0) and by_f[1] == pytest.approx(1.0)  # the identical reference
+    assert by_r[1] == pytest.approx(0.75)  # ROUGE-1.5.5's default for several references: their mean
+    report = rouge_report(pred * 2, refs * 2, samples=20, measure="r")
+    assert report["rouge1"]["r"] == pytest.approx(75.0) and report["rouge1"]["r_ci"] == pytest.approx([75, 75])
 
 
 def test_quality_rates_on_hand_made_cases():
