@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from summarizer import bench_memory, runtime
+from summarizer.bench_decoding import decode_row, summarize_row, weights
 from summarizer.config import Config, from_dict, to_dict
 from summarizer.data import PairDataset, TokenBatchSampler, make_loader, padding_fraction
 from summarizer.decoding import decode_all
@@ -128,9 +129,9 @@ def decode_rate(cfg: Config, use_cache: bool) -> dict:
     meta = read_meta(cfg.data.dir)
     model = build(cfg, rt, meta)[0]
     ds = PairDataset.from_dir(cfg.data.dir, valid_split(meta), cfg.data)
-    n = min(cfg.bench.decode_sentences, len(ds))
+    n = min(cfg.bench.decode_sentences, len(ds), 64)  # recomputing every prefix is slow
     sources = [ds[i][0] for i in range(n)]
-    settings = dataclasses.replace(cfg.eval, beam_size=4, batch_size=n)
+    settings = dataclasses.replace(cfg.eval, beam_size=4)
     rates = []
     for repeat in range(cfg.bench.warmup + cfg.bench.repeats):
         started = time.perf_counter()
@@ -192,6 +193,14 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
         "pad_multiple": (f"lengths padded to multiples of {padded} vs unpadded, in the second epoch", "tokens/s",
                          "higher", lambda: second_epoch_rates(variant(cfg, ("data", "pad_multiple", padded)),
                                                               variant(cfg, ("data", "pad_multiple", 1)))),
+        "decode_greedy": ("greedy decoding: today's decoder vs release 1's, word rules off on both", "sentences/s",
+                          "higher", lambda: decode_row(cfg, 1, "release1")),
+        "decode_beam4": ("beam-4 decoding: today's decoder vs release 1's, word rules off on both", "sentences/s",
+                         "higher", lambda: decode_row(cfg, 4, "release1")),
+        "decode_rules": ("beam 4 with the word rules (known words, no repeats) vs without", "sentences/s", "higher",
+                         lambda: decode_row(cfg, 4, "rules")),
+        "decode_int8": ("beam 4 with int8 linear layers (eval.quantize=int8) vs float32", "sentences/s", "higher",
+                        lambda: decode_row(cfg, 4, "int8")),
         "kv_cache": ("beam-4 decoding with KV cache vs recomputing the prefix", "sentences/s", "higher", on_off(
             lambda: decode_rate(cfg, True), lambda: decode_rate(cfg, False))),
         "compile": ("torch.compile vs eager", "tokens/s", "higher", pair(
@@ -210,6 +219,12 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
                                  ("train", "sdpa_backend", "default"), ("model", "fast_dropout", False),
                                  ("train", "fused_optimizer", False), fixed_batches=True, item_every_step=True))),
     }
+    if weights(cfg).is_file():
+        table["summarize"] = ("summarize, raw text in, summaries out: today (default settings) vs release 1's "
+                              "decoding", "lines/s", "higher", lambda: summarize_row(cfg))
+    if best != "fp32":
+        table["decode_bf16"] = (f"beam 4 decoding in {best} vs float32", "sentences/s", "higher",
+                                lambda: decode_row(cfg, 4, best))
     if cuda:
         table["precision_fp16"] = ("fp16 autocast + GradScaler vs fp32", "tokens/s", "higher", pair(
             t(("train", "precision", "fp16")), t(("train", "precision", "fp32"))))
@@ -230,10 +245,11 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
     return table
 
 
-NOT_HERE = {"precision_bf16": "no fast bf16 on this device", "precision_fp16": "needs CUDA",
+NOT_HERE = {"precision_bf16": "no fast bf16 on this device", "decode_bf16": "no fast bf16 on this device",
+            "precision_fp16": "needs CUDA",
             "pin_memory": "needs CUDA (pinning only speeds up host-to-GPU copies)",
             "cudnn_benchmark": "needs CUDA", "kernel_cache": "a CPU (oneDNN) setting",
-            "pipeline_chunks": "needs two GPUs",
+            "pipeline_chunks": "needs two GPUs", "summarize": "needs trained weights (bench.checkpoint, or best.pt)",
             "memory_precision": "no 16-bit mode worth measuring on this device"}
 
 
@@ -268,7 +284,8 @@ def run_bench(cfg: Config) -> list[dict]:
         results.append({"practice": name, "compared": what, "unit": unit, "better": better, "on": values["on"],
                         "off": values["off"], "ratio": ratio, "seconds": time.perf_counter() - started,
                         **({"padding_on": values["on"]["padding"], "padding_off": values["off"]["padding"]}
-                           if "padding" in values["on"] and name == "bucketing" else {})})
+                           if "padding" in values["on"] and name == "bucketing" else {}),
+                        **{k: v for k, v in values.items() if k not in ("on", "off")}})
     if cfg.bench.find_batch_tokens:
         results.append(batch_search_row(cfg))
     write_outputs(cfg, results)
@@ -298,6 +315,9 @@ def markdown(results: list[dict]) -> str:
                          f"{r['lr_sqrt_rule']:.2g} (sqrt rule) |")
         else:
             extra = f" (padding {r['padding_on']:.1%} vs {r['padding_off']:.1%})" if "padding_on" in r else ""
+            if "rouge1" in r["on"]:
+                extra = (f" (ROUGE-1 {r['on']['rouge1']:.2f} vs {r['off']['rouge1']:.2f}; outputs "
+                         f"{'identical' if r['same_outputs'] else 'differ'})")
             lines.append(f"| {r['practice']} | {r['compared']}{extra} | {_fmt(r['on'])} | {_fmt(r['off'])} | "
                          f"{r['unit']} | {r['ratio']:.2f}x |")
     return "\n".join(lines) + "\n"

@@ -120,7 +120,9 @@ class EvalConfig:
     checkpoint: str = ""  # default: the run's best
     out_dir: str = ""  # default: the run dir
     beam_size: int = 4
-    batch_size: int = 64  # sentences per decoding batch
+    batch_tokens: int = 4096  # source tokens per decoding batch (sentences sorted by length, padded)
+    precision: str = "auto"  # decoding precision: auto (bf16 where fast, else fp32 on CPU) | fp32 | bf16 | fp16
+    quantize: str = "none"  # none | int8 (dynamic int8 linear layers, CPU decoding)
     max_len: int = 30  # target tokens
     min_len: int = 1
     length_penalty: float = 1.0
@@ -155,7 +157,8 @@ class BenchConfig:
     find_batch_tokens: bool = True
     max_batch_tokens: int = 262_144
     rows: list = field(default_factory=list)  # practices to run; [] = all (names: `python -m summarizer bench`)
-    decode_sentences: int = 64  # sentences decoded by the KV-cache row
+    decode_sentences: int = 500  # test sources decoded by the decoding rows (the KV-cache row takes the first 64)
+    checkpoint: str = ""  # weights the decoding rows decode with; "" = the run's best.pt (a fresh model if none)
 
 
 @dataclass
@@ -186,6 +189,8 @@ _CHOICES = {
     ("train", "select_by"): ("loss", "rouge"),
     ("data", "spm_model_type"): ("unigram", "bpe"),
     ("eval", "split"): ("train", "valid", "test"),
+    ("eval", "precision"): ("auto", "fp32", "bf16", "fp16"),
+    ("eval", "quantize"): ("none", "int8"),
 }
 
 
@@ -283,7 +288,7 @@ def validate(cfg: Config) -> None:
                 "data.max_target_words": d.max_target_words, "data.num_proc": d.num_proc,
                 "data.prefetch_factor": d.prefetch_factor, "data.subword_nbest": d.subword_nbest,
                 "eval.beam_size": e.beam_size,
-                "eval.batch_size": e.batch_size, "eval.max_len": e.max_len,
+                "eval.batch_tokens": e.batch_tokens, "eval.max_len": e.max_len,
                 "eval.bootstrap_samples": e.bootstrap_samples,
                 "placement.pipeline_chunks": cfg.placement.pipeline_chunks, "bench.repeats": cfg.bench.repeats,
                 "bench.steps": cfg.bench.steps, "bench.decode_sentences": cfg.bench.decode_sentences}

@@ -43,6 +43,11 @@ class Lexicon:
         self.words_below = [int(c) for c in self.complete]
         for node in range(len(self.children) - 1, 0, -1):  # children come after their parents
             self.words_below[self.parent[node]] += self.words_below[node]
+        # The node's ancestor just below the root: the subtree of words sharing its first piece.
+        self.top = [0] + [node if self.parent[node] == 0 else 0 for node in range(1, len(self.children))]
+        for node in range(1, len(self.children)):
+            if self.parent[node] != 0:
+                self.top[node] = self.top[self.parent[node]]
         self.any_start = torch.tensor(self.starts_word)  # (V,) pieces that start a word
         self.known_starts = torch.zeros(self.vocab_size, dtype=torch.bool)  # (V,) first pieces of known words
         self.known_starts[list(self.children[0])] = True
@@ -99,23 +104,23 @@ class WordRules:
         self.lexicon, self.known_only, self.no_repeat, self.group = lexicon, known_only, no_repeat, group
         self.sources = [lexicon.source_words(s) for s in sources]  # per sentence
         self.rows = [Spelling() for _ in range(len(sources) * group)]
+        self._starts_cache: dict[tuple, list[int]] = {}  # (sentence, words used) -> source word starts
 
-    def _used_below(self, used: tuple) -> dict[int, int]:
-        """Tree node -> how many of the `used` words' nodes lie at or under it."""
+    def _used_below(self, used: tuple, node: int) -> dict[int, int]:
+        """Tree node -> how many `used` words lie at or under it, for the nodes under `node` (whose subtree
+        holds the words the row may still spell)."""
         below: dict[int, int] = {}
-        if self.no_repeat:
-            for node in used:
-                while node > 0:
-                    below[node] = below.get(node, 0) + 1
-                    node = self.lexicon.parent[node]
+        for u in used:
+            if self.lexicon.top[u] != self.lexicon.top[node]:
+                continue  # another first piece: never under `node`
+            while u > 0:
+                below[u] = below.get(u, 0) + 1
+                u = self.lexicon.parent[u]
         return below
 
-    def _open(self, node: int, below: dict[int, int]) -> bool:
-        """Does an unused known word lie at or under `node`?"""
-        return self.lexicon.words_below[node] > below.get(node, 0)
-
     def _fresh(self, words: set, used: frozenset) -> bool:
-        return any(w not in used for w in words) if self.no_repeat else bool(words)
+        """Does one of `words` remain unused?"""
+        return not words <= used if self.no_repeat else bool(words)
 
     def may_end(self, row: int, spelling: Spelling) -> bool:
         """May the word this row is spelling end here (be followed by a word start or EOS)?"""
@@ -128,26 +133,38 @@ class WordRules:
         lex, source = self.lexicon, self.sources[row // self.group]
         return (spelling.node >= 0 and lex.complete[spelling.node]) or EOS in source.get(spelling.pieces, {})
 
-    def _next_pieces(self, row: int, spelling: Spelling, ending: bool) -> tuple[list[int], list[int]]:
-        """(pieces to allow, known word starts to take away), so that an unused word stays within reach:
-        pieces that continue the word, and when it may end, pieces that start one of the source's words."""
+    def _continuing(self, row: int, spelling: Spelling) -> list[int]:
+        """Pieces that continue the word towards a known or a source word not used yet."""
         lex, source = self.lexicon, self.sources[row // self.group]
-        allowed, blocked = [], []
-        if spelling.pieces:  # continue the word
-            below = self._used_below(spelling.used)
-            if spelling.node >= 0:
-                allowed += [p for p, c in lex.children[spelling.node].items() if self._open(c, below)]
-            allowed += [p for p, words in source.get(spelling.pieces, {}).items()
-                        if p != EOS and self._fresh(words, spelling.words)]
-        if ending:  # or start another, the one it ends counted as used
-            words, used = spelling.words, spelling.used
-            if spelling.pieces:
-                words = words | {spelling.text}
-                used = (*used, spelling.node) if spelling.node >= 0 and lex.complete[spelling.node] else used
-            allowed += [p for p, ws in source.get((), {}).items() if self._fresh(ws, words)]
-            below = self._used_below(used)
-            blocked = [lex.piece_into[n] for n in below if lex.parent[n] == 0 and not self._open(n, below)]
-        return allowed, blocked
+        allowed = [p for p, words in source.get(spelling.pieces, {}).items()
+                   if p != EOS and self._fresh(words, spelling.words)]
+        if spelling.node >= 0:
+            children = lex.children[spelling.node]
+            below = self._used_below(spelling.used, spelling.node) if self.no_repeat else {}
+            allowed += [p for p, c in children.items() if lex.words_below[c] > below.get(c, 0)] \
+                if spelling.node in below else list(children)
+        return allowed
+
+    def _starting(self, row: int, spelling: Spelling) -> tuple[list[int], list[int]]:
+        """(the source's word starts to allow, known word starts to take away) when the word ends here,
+        itself counted as used: a start stays only while an unused word begins with it."""
+        lex, source = self.lexicon, self.sources[row // self.group]
+        words, used = spelling.words, spelling.used
+        if spelling.pieces:
+            words = words | {spelling.text}
+            used = (*used, spelling.node) if spelling.node >= 0 and lex.complete[spelling.node] else used
+        key = (row // self.group, words)
+        if key not in self._starts_cache:
+            starts = source.get((), {})
+            self._starts_cache[key] = [p for p, ws in starts.items() if not ws <= words] if self.no_repeat \
+                else list(starts)
+        blocked = []
+        if self.no_repeat and used:
+            tops: dict[int, int] = {}
+            for u in used:
+                tops[lex.top[u]] = tops.get(lex.top[u], 0) + 1
+            blocked = [lex.piece_into[t] for t, n in tops.items() if lex.words_below[t] <= n]
+        return self._starts_cache[key], blocked
 
     def mask(self, log_probs: Tensor) -> Tensor:
         """Set -inf on every (row, piece) the rules forbid, in place; a row left with nothing may end (EOS)."""
@@ -161,14 +178,17 @@ class WordRules:
         allowed = torch.zeros_like(log_probs, dtype=torch.bool)
         ending, rows, cols, off_rows, off_cols = [], [], [], [], []
         for r, spelling in enumerate(self.rows):
-            may_end = self.may_end(r, spelling)
-            extra, blocked = self._next_pieces(r, spelling, may_end)
-            rows += [r] * len(extra)
-            cols += extra
-            off_rows += [r] * len(blocked)
-            off_cols += blocked
-            if may_end:
+            if spelling.pieces:
+                extra = self._continuing(r, spelling)
+                rows += [r] * len(extra)
+                cols += extra
+            if self.may_end(r, spelling):
                 ending.append(r)
+                starts, blocked = self._starting(r, spelling)
+                rows += [r] * len(starts)
+                cols += starts
+                off_rows += [r] * len(blocked)
+                off_cols += blocked
         if ending:
             allowed[ending] = self.lexicon.known_starts.to(allowed.device)
             allowed[ending, EOS] = True
@@ -201,3 +221,4 @@ class WordRules:
         """Keep only `rows` (and their `sentences`), when finished sentences leave the batch."""
         self.rows = [self.rows[r] for r in rows]
         self.sources = [self.sources[s] for s in sentences]
+        self._starts_cache.clear()  # keyed by sentence position

@@ -201,12 +201,23 @@ def decode_batch(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon 
     return search(model, src_ids, settings, lexicon, use_cache)
 
 
+def length_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices sorted by length, cut into batches whose padded size (count * longest) fits `budget`."""
+    batches, current = [], []
+    for i in np.argsort(lengths, kind="stable").tolist():
+        if current and (len(current) + 1) * max(lengths[i], 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + [current] if current else batches
+
+
 def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt: runtime.Runtime,
                desc: str = "", lexicon: Lexicon | None = None, use_cache: bool = True) -> list[list[int]]:
     """Source id sequences -> hypothesis id lists, in input order, decoded as `settings` (the eval section) says.
 
-    Sources are sorted by length so batches pad little, decoded `settings.batch_size` at a time with
-    dropout off and under inference_mode (so no RNG stream is drawn from), and put back in input
+    Sources are sorted by length and cut into batches of `settings.batch_tokens` padded source tokens,
+    decoded with dropout off and under inference_mode (so no RNG stream is drawn from), and put back in input
     order. The word rules and the byte minimum (`settings.known_words`, `no_repeat_words`,
     `truncate_bytes`) need the run's `lexicon`. `desc` names a progress bar, shown only when stderr is
     a terminal. `use_cache=False` recomputes every prefix from scratch (the reference the KV cache is
@@ -215,12 +226,10 @@ def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt
     if lexicon is None and (settings.known_words or settings.no_repeat_words or settings.truncate_bytes):
         raise ValueError("eval.known_words, no_repeat_words and truncate_bytes need the run's lexicon")
     model = runtime.unwrap(model)
-    order = np.argsort([len(s) for s in sources], kind="stable")
     hyps: list = [None] * len(sources)
-    batches = range(0, len(order), settings.batch_size)
+    batches = length_batches([len(s) for s in sources], settings.batch_tokens)
     with runtime.eval_mode(model), torch.inference_mode():
-        for start in tqdm(batches, desc=desc, unit="batch", file=sys.stderr, disable=None if desc else True):
-            idx = order[start:start + settings.batch_size]
+        for idx in tqdm(batches, desc=desc, unit="batch", file=sys.stderr, disable=None if desc else True):
             src = runtime.move(pad_sources([sources[i] for i in idx]), rt.device)
             with rt.compute():
                 for i, hyp in zip(idx, decode_batch(model, src, settings, lexicon, use_cache), strict=True):

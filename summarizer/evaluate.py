@@ -17,14 +17,15 @@ from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
 from summarizer.pairs import read_pairs_file
 from summarizer.placement import place_model
 from summarizer.prepared import lexicon, load_split, open_tokenizer, read_meta, read_pairs, training_words
+from summarizer.quantize import quantize_int8
 from summarizer.runtime import Runtime
 from summarizer.scoring import quality, rouge_report, truncate_bytes, words
 from summarizer.tokenizer import Tokenizer, normalize, restore_digits
 
 
-def load_model(path: str | Path, rt: Runtime, meta: dict) -> tuple[torch.nn.Module, dict]:
-    """The checkpoint's own model (its config, not the current one), placed, in eval mode; refused if
-    `meta` (the data it will read) has another tokenizer."""
+def load_model(path: str | Path, rt: Runtime, meta: dict, quantize: str = "none") -> tuple[torch.nn.Module, dict]:
+    """The checkpoint's own model (its config, not the current one), placed, in eval mode, int8 if
+    `quantize` says so; refused if `meta` (the data it will read) has another tokenizer."""
     try:
         state = checkpoint.load(path)
     except CheckpointError as exc:
@@ -34,8 +35,10 @@ def load_model(path: str | Path, rt: Runtime, meta: dict) -> tuple[torch.nn.Modu
         raise CheckpointError(f"{exc}. Checkpoints of the same run that could replace it: "
                               f"{', '.join(str(p) for p in others)}; use one with eval.checkpoint=PATH") from None
     checkpoint.check_tokenizer(state["data_meta"], meta, f"checkpoint {path}")
-    model = place_model(checkpoint.restore_model(state), rt).eval()
-    return model, {"path": str(path), "step": state["step"]}
+    model = checkpoint.restore_model(state)
+    if quantize == "int8":
+        model = quantize_int8(model, rt.device)
+    return place_model(model, rt).eval(), {"path": str(path), "step": state["step"]}
 
 
 def eval_checkpoint(cfg: Config) -> Path:
@@ -94,20 +97,20 @@ def settings(cfg: Config, name: str, n: int, source: dict, precision: str) -> di
         "measure": f"recall of the first {e.truncate_bytes} bytes" if e.truncate_bytes else "F-measure, full length",
         "unk": "UNK and <unk> scored as the same word", "split": name, "pairs": n, "pairs_file": e.pairs or None,
         "beam_size": e.beam_size, "max_len": e.max_len, "min_len": e.min_len, "length_penalty": e.length_penalty,
-        "no_repeat_ngram": e.no_repeat_ngram, "truncate_bytes": e.truncate_bytes, "checkpoint": source,
-        "precision": precision}
+        "no_repeat_ngram": e.no_repeat_ngram, "known_words": e.known_words, "no_repeat_words": e.no_repeat_words,
+        "truncate_bytes": e.truncate_bytes, "quantize": e.quantize, "checkpoint": source, "precision": precision}
 
 
 def evaluate(cfg: Config) -> dict:
     """Decode `eval.pairs` or `eval.split` with the run's best checkpoint (or eval.checkpoint); write
     predictions.txt (what was scored, one line per pair) and rouge.json to eval.out_dir."""
-    rt = runtime.setup(cfg)
+    rt = runtime.setup(cfg, cfg.eval.precision)
     meta = read_meta(cfg.data.dir)
     out_dir = Path(cfg.eval.out_dir) if cfg.eval.out_dir else cfg.run_dir
     refuse_overlap(out_dir, [cfg.data.dir] + ([cfg.eval.pairs] if cfg.eval.pairs else []), "eval.out_dir")
     tokenizer = open_tokenizer(cfg.data.dir)
     name, pairs, ids = read_eval_pairs(cfg, meta, tokenizer)
-    model, source = load_model(eval_checkpoint(cfg), rt, meta)
+    model, source = load_model(eval_checkpoint(cfg), rt, meta, cfg.eval.quantize)
     claim_dir(out_dir, "eval", "eval.out_dir", legacy=("rouge.json",), also=("run", "overfit"))
     started = time.perf_counter()
     hyps = decode_all(model, ids, cfg.eval, rt, f"decode {name}", lexicon(cfg.data.dir))

@@ -205,6 +205,9 @@ class Seq2Seq(nn.Module):
             self.copy_query = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
             self.copy_key = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
             self.copy_gate = nn.Linear(2 * cfg.d_model, 1)
+        # None: logits come from the tied embedding. Set only for decoding with another representation of
+        # the same weights (an int8 copy: summarizer/quantize.py); never trained, never checkpointed.
+        self.vocab_projection: nn.Module | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -264,10 +267,11 @@ class Seq2Seq(nn.Module):
                 state.self_kv[i] = kv
         state.length = past + tgt_in.shape[1]
         h = self.decoder_norm(x)  # (R, T, D)
-        logits = F.linear(h, self.embedding.weight)  # (R, T, V), tied output projection
+        r, t, d = h.shape
+        logits = F.linear(h, self.embedding.weight) if self.vocab_projection is None else \
+            self.vocab_projection(h.reshape(r * t, d)).reshape(r, t, -1)  # (R, T, V), tied output projection
         if not self.cfg.copy:
             return DecoderOutput(logits, None, None)
-        r, t, d = h.shape
         queries = self.copy_query(h).reshape(r // group, group * t, d)  # a sentence's rows together
         scores = (queries @ state.copy_keys.transpose(1, 2)).float() / math.sqrt(self.cfg.d_model)  # (B, G*T, S)
         attn = scores.masked_fill(~state.src_mask[:, 0], float("-inf")).softmax(dim=-1)
@@ -282,13 +286,12 @@ class Seq2Seq(nn.Module):
 
         Decoding needs this at one position per step; training never materialises it (losses.py).
         """
-        log_vocab = out.logits.float().log_softmax(dim=-1)
         if out.copy_attn is None:
-            return log_vocab
-        probs = out.gate * log_vocab.exp()
+            return out.logits.float().log_softmax(dim=-1)
+        probs = out.logits.float().softmax(dim=-1).mul_(out.gate)  # in place: one (R, T, V) buffer throughout
         index = src_ids[:, None, :].expand(-1, out.logits.shape[1], -1)  # (R, T, S)
-        probs = probs.scatter_add(2, index, (1.0 - out.gate) * out.copy_attn)
-        return probs.clamp_min(1e-12).log()
+        probs.scatter_add_(2, index, (1.0 - out.gate) * out.copy_attn)
+        return probs.clamp_min_(1e-12).log_()
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, state: DecodeState | None = None) -> Tensor:
         """(R, T) target prefix ids -> (R, T, V) float32 log-probabilities (the decoding interface)."""

@@ -155,8 +155,9 @@ def set_cpu_kernel_cache(capacity: int) -> None:
         os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(capacity)
 
 
-def setup(cfg: Config) -> Runtime:
-    """Initialise the process group when launched by torchrun, pick devices and precision."""
+def setup(cfg: Config, precision: str | None = None) -> Runtime:
+    """Initialise the process group when launched by torchrun, pick devices and precision (`precision`,
+    e.g. eval.precision for decoding, else train.precision)."""
     # Denormal floats (below 1.2e-38) take a slow microcode path on x86: as the model grows
     # confident, exp() in the vocabulary softmax produces them by the million and CPU steps slow
     # down (README, "denormals flushed"). FTZ/DAZ treats them as zero. The flag is per thread and OpenMP's
@@ -188,7 +189,7 @@ def setup(cfg: Config) -> Runtime:
         # TF32 matmuls on Ampere+: fp32 accuracy is not needed for the fp32 master path of training.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    precision = resolve_precision(cfg.train.precision, decoder_device)
+    precision = resolve_precision(precision or cfg.train.precision, decoder_device)
     return Runtime(device, decoder_device, precision, rank, world_size, local_rank, cfg.train.sdpa_backend)
 
 

@@ -27,20 +27,21 @@ def decode_lines(raw_lines, warn) -> list[str]:
     return texts
 
 
-def summarize_stream(cfg: Config, stdin, stdout) -> dict:
+def summarize_stream(cfg: Config, stdin, stdout, decode=decode_all, quiet: bool = False) -> dict:
     """Summaries of `stdin` (a binary stream) written to `stdout`, normalised the way the training data was.
 
     Input is read CHUNK_LINES at a time, so a file of any size runs in constant memory; each chunk's
     summaries are written and flushed in input order before the next is read. An empty line gives an
     empty summary; a line with undecodable bytes is summarised with them replaced, and named on stderr.
+    `decode` is the decoding loop (the bench passes release 1's); `quiet` prints no bar and no summary line.
     """
-    rt = runtime.setup(cfg)
+    rt = runtime.setup(cfg, cfg.eval.precision)
     meta = read_meta(cfg.data.dir)
     tokenizer = open_tokenizer(cfg.data.dir)
-    model, _ = load_model(eval_checkpoint(cfg), rt, meta)
+    model, _ = load_model(eval_checkpoint(cfg), rt, meta, cfg.eval.quantize)
     norm = meta["normalization"]
     numbered = enumerate(stdin, start=1)
-    bar = tqdm(unit=" lines", desc="summarize", file=sys.stderr, disable=None)
+    bar = tqdm(unit=" lines", desc="summarize", file=sys.stderr, disable=True if quiet else None)
     started, lines = time.perf_counter(), 0
 
     def warn(number: int) -> None:
@@ -48,7 +49,7 @@ def summarize_stream(cfg: Config, stdin, stdout) -> dict:
 
     while chunk := decode_lines(itertools.islice(numbered, CHUNK_LINES), warn):
         sources = [tokenizer.encode_raw(text, norm)[:cfg.data.max_source_len] for text in chunk]
-        hyps = decode_all(model, sources, cfg.eval, rt, lexicon=lexicon(cfg.data.dir))
+        hyps = decode(model, sources, cfg.eval, rt, lexicon=lexicon(cfg.data.dir))
         stdout.write("".join((summary_text(h, text, tokenizer, meta, cfg.eval.truncate_bytes) if text.strip() else "")
                              + "\n" for text, h in zip(chunk, hyps, strict=True)))
         stdout.flush()
@@ -56,5 +57,7 @@ def summarize_stream(cfg: Config, stdin, stdout) -> dict:
         bar.update(len(chunk))
     bar.close()
     seconds = time.perf_counter() - started
-    print(f"summarized {lines} lines in {seconds:.1f} s ({lines / max(seconds, 1e-9):.1f} lines/s)", file=sys.stderr)
+    if not quiet:
+        print(f"summarized {lines} lines in {seconds:.1f} s ({lines / max(seconds, 1e-9):.1f} lines/s)",
+              file=sys.stderr)
     return {"lines": lines, "seconds": seconds}

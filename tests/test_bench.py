@@ -28,6 +28,8 @@ def test_every_timing_row_measures_on_and_off(cfg):
         for side in ("on", "off"):
             assert r[side]["n"] == 2 and 0 < r[side]["min"] <= r[side]["median"] <= r[side]["max"]
         assert r["ratio"] == pytest.approx(r["on"]["median"] / r["off"]["median"])
+    for name in ("decode_greedy", "decode_beam4"):  # same settings, the release-1 loop: the same summaries
+        assert next(r for r in results if r["practice"] == name)["same_outputs"] is True
     bucketing = next(r for r in results if r["practice"] == "bucketing")
     assert bucketing["padding_on"] < bucketing["padding_off"]
     saved = json.loads((cfg.run_dir / "bench.json").read_text())

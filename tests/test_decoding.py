@@ -156,3 +156,14 @@ def test_every_decode_goes_through_decode_all():
             assert not search_call.search(path.read_text()), path
     for name in ("evaluate.py", "validation.py", "overfit.py", "bench.py", "summarize.py"):
         assert (Path("summarizer") / name).read_text().count("decode_all(") >= 1, name
+
+
+def test_length_batches_fit_the_budget_and_cover_every_sentence():
+    from summarizer.decoding import length_batches
+    lengths = [5, 40, 3, 12, 12, 7, 90, 1]
+    batches = length_batches(lengths, budget=40)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 40
+        assert [lengths[i] for i in b] == sorted(lengths[i] for i in b)
+    assert [i for b in batches for i in b] == sorted(range(len(lengths)), key=lambda i: lengths[i])

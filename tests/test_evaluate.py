@@ -83,3 +83,37 @@ def test_eval_scores_a_pairs_file_of_raw_text_with_the_runs_normalisation(traine
     assert report["rouge1"]["r_ci"] is not None and 0 <= report["rouge1"]["r"] <= 100
     for key in ("nonword_rate", "repeat_rate", "words_per_prediction", "words_per_reference"):
         assert key in report
+
+
+def test_int8_decoding_runs_and_stays_close_to_float(trained_tiny):
+    from summarizer.__main__ import main
+    tmp, args = trained_tiny
+    reports = {}
+    for quantize in ("none", "int8"):
+        out = tmp / f"q_{quantize}"
+        assert main(["eval", *args, f"eval.quantize={quantize}", f"eval.out_dir={out}"]) == 0
+        reports[quantize] = json.loads((out / "rouge.json").read_text())
+    assert reports["int8"]["settings"]["quantize"] == "int8"
+    assert abs(reports["int8"]["rouge1"]["f"] - reports["none"]["rouge1"]["f"]) <= 2.0  # README: the cost at scale
+
+
+def test_summarize_streams_in_chunks_keeping_order_and_empty_lines(trained_tiny, monkeypatch, capsys):
+    import io
+
+    from summarizer import summarize
+    from summarizer.__main__ import main
+    _, args = trained_tiny
+    monkeypatch.setattr(summarize, "CHUNK_LINES", 3)
+    texts = [f"the {w} government said monday it would cut fuel taxes ." if w else "" for w in
+             ["france", "", "japan", "kenya", "", "", "chile", "india"]]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(("\n".join(texts) + "\n").encode())))
+    assert main(["summarize", *args]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert len(lines) == len(texts) and [bool(x) for x in lines] == [bool(t) for t in texts]
+    alone = []
+    for text in texts:  # each line summarised on its own gives the same line: order is kept across chunks
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO((text + "\n").encode())))
+        assert main(["summarize", *args]) == 0
+        alone.append(capsys.readouterr().out.rstrip("\n"))
+    assert lines == alone and "summarized 8 lines" in err

@@ -1,0 +1,135 @@
+"""The bench's decoding rows: today's decoder against release 1's (summarizer/decoding_v1.py), int8 and
+16-bit against float32, the word rules' cost, and summarize end to end; variants alternate in one
+process, on a trained checkpoint and real test sources, with the ROUGE of what each decoded."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from summarizer import checkpoint, decoding_v1, runtime
+from summarizer.config import Config
+from summarizer.data import pad_sources
+from summarizer.decoding import decode_all
+from summarizer.prepared import lexicon, load_split, open_tokenizer, read_meta, read_pairs
+from summarizer.quantize import quantize_int8
+from summarizer.scoring import rouge_report
+from summarizer.session import build
+
+
+def weights(cfg: Config) -> Path:
+    """The checkpoint the decoding rows decode with: bench.checkpoint, else the run's best.pt."""
+    return Path(cfg.bench.checkpoint) if cfg.bench.checkpoint else cfg.run_dir / checkpoint.BEST
+
+
+def _model(cfg: Config, rt: runtime.Runtime, quantize: str = "none"):
+    """The weights to decode with (`weights`), or a fresh model if there are none (speed only)."""
+    path = weights(cfg)
+    if path.is_file():
+        model = checkpoint.restore_model(checkpoint.load(path))
+    else:
+        torch.manual_seed(cfg.train.seed)
+        model = build(cfg, rt, read_meta(cfg.data.dir))[0].cpu()
+    model = quantize_int8(model, rt.device) if quantize == "int8" else model
+    return runtime.unwrap(model).to(rt.device).eval()
+
+
+def _sources(cfg: Config) -> tuple[list[list[int]], list[list[str]]]:
+    """The first bench.decode_sentences test (else valid) sources as ids, and their references."""
+    split = "test" if "test" in read_meta(cfg.data.dir)["splits"] else "valid"
+    arrays, pairs = load_split(cfg.data.dir, split), read_pairs(cfg.data.dir, split)
+    n = min(cfg.bench.decode_sentences, len(pairs))
+    ids = [arrays.src[arrays.src_offsets[i]:arrays.src_offsets[i + 1]][:cfg.data.max_source_len].tolist()
+           for i in range(n)]
+    return ids, [p.get("references") or [p["target"]] for p in pairs[:n]]
+
+
+def release1_decode(model, sources: list[list[int]], settings, rt: runtime.Runtime) -> list[list[int]]:
+    """Release 1's decoding loop: 64 sentences a batch, sorted by length, its greedy or beam search."""
+    order = np.argsort([len(s) for s in sources], kind="stable")
+    hyps: list = [None] * len(sources)
+    common = dict(max_len=settings.max_len, min_len=settings.min_len, no_repeat_ngram=settings.no_repeat_ngram)
+    with torch.inference_mode():
+        for start in range(0, len(order), 64):
+            idx = order[start:start + 64]
+            src = runtime.move(pad_sources([sources[i] for i in idx]), rt.device)
+            with rt.compute():
+                out = decoding_v1.beam_search(model, src, settings.beam_size, length_penalty=settings.length_penalty,
+                                              **common) if settings.beam_size > 1 else decoding_v1.greedy(model, src,
+                                                                                                          **common)
+            for i, hyp in zip(idx, out, strict=True):
+                hyps[i] = hyp
+    return hyps
+
+
+def alternate(variants: dict[str, Callable[[], list]], cfg: Config, count: int) -> tuple[dict, dict]:
+    """Time each variant `bench.warmup + bench.repeats` times, taking turns (on, off, off, on, ...);
+    (per variant: stats of items per second, and the outputs of its last run)."""
+    rates, outputs = {k: [] for k in variants}, {}
+    names = list(variants)
+    for repeat in range(cfg.bench.warmup + cfg.bench.repeats):
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            started = time.perf_counter()
+            outputs[name] = variants[name]()
+            if repeat >= cfg.bench.warmup:
+                rates[name].append(count / (time.perf_counter() - started))
+    summary = {k: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)} for k, v in rates.items()}
+    return summary, outputs
+
+
+def decode_row(cfg: Config, beam: int, against: str) -> dict:
+    """sentences/s of today's decoder ("on") against `against` ("off"): "release1" (same settings, word
+    rules off, so outputs can be compared), "int8", "bf16" (decoding precision) or "rules" (the word
+    rules on, against off); with each side's ROUGE-1 on the decoded sentences and whether outputs agree."""
+    rt = runtime.setup(cfg, "fp32")
+    sources, references = _sources(cfg)
+    tokenizer, lex = open_tokenizer(cfg.data.dir), lexicon(cfg.data.dir)
+    plain = dataclasses.replace(cfg.eval, beam_size=beam, known_words=False, no_repeat_words=False,
+                                truncate_bytes=0)
+    model = _model(cfg, rt)
+    ruled = dataclasses.replace(plain, known_words=True, no_repeat_words=True)
+    on_settings = ruled if against == "rules" else plain
+    variants = {"on": lambda: decode_all(model, sources, on_settings, rt, lexicon=lex)}
+    if against == "release1":
+        variants["off"] = lambda: release1_decode(model, sources, plain, rt)
+    elif against == "int8":
+        quantized = _model(cfg, rt, "int8")
+        variants = {"on": lambda: decode_all(quantized, sources, plain, rt, lexicon=lex),
+                    "off": lambda: decode_all(model, sources, plain, rt, lexicon=lex)}
+    elif against in ("bf16", "fp16"):
+        rt16 = runtime.setup(cfg, against)
+        variants = {"on": lambda: decode_all(model, sources, plain, rt16, lexicon=lex),
+                    "off": lambda: decode_all(model, sources, plain, rt, lexicon=lex)}
+    else:
+        variants["off"] = lambda: decode_all(model, sources, plain, rt, lexicon=lex)
+    result, outputs = alternate(variants, cfg, len(sources))
+    for side, hyps in outputs.items():
+        result[side]["rouge1"] = rouge_report([tokenizer.decode(h) for h in hyps], references, 0)["rouge1"]["f"]
+    result["same_outputs"] = outputs["on"] == outputs["off"]
+    return result
+
+
+def summarize_row(cfg: Config) -> dict:
+    """lines/s of `summarize` on raw text (normalise, tokenize, decode, detokenize, write), today's
+    against release 1's decoding loop, the default decoding settings on both."""
+    from summarizer import summarize
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, checkpoint=str(weights(cfg))))
+    rt = runtime.setup(cfg, "fp32")
+    n = cfg.bench.decode_sentences
+    split = "test" if "test" in read_meta(cfg.data.dir)["splits"] else "valid"
+    text = "".join(p["source"] + "\n" for p in read_pairs(cfg.data.dir, split)[:n]).encode()
+
+    def run(decode) -> list:
+        out = io.StringIO()
+        summarize.summarize_stream(cfg, io.BytesIO(text), out, decode=decode, quiet=True)
+        return out.getvalue().splitlines()
+
+    old = lambda model, sources, settings, rt_, **_: release1_decode(model, sources, settings, rt)  # noqa: E731
+    result, _ = alternate({"on": lambda: run(decode_all), "off": lambda: run(old)}, cfg, n)
+    return result
