@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +118,16 @@ def test_summarize_streams_in_chunks_keeping_order_and_empty_lines(trained_tiny,
         assert main(["summarize", *args]) == 0
         alone.append(capsys.readouterr().out.rstrip("\n"))
     assert lines == alone and "summarized 8 lines" in err
+
+
+@pytest.mark.shared_data
+@pytest.mark.skipif(not Path(__file__).resolve().parents[2].joinpath("shared", "data").is_dir(),
+                    reason="../shared/data is not here")
+def test_the_shared_dev_sets_read_as_pairs_files():
+    """DUC-2003 (four references each) and the Gigaword test_dev sample, as eval.pairs reads them."""
+    from summarizer.pairs import read_pairs_file
+    data = Path(__file__).resolve().parents[2] / "shared" / "data"
+    duc = read_pairs_file(data / "duc2003" / "valid.jsonl.gz")
+    assert len(duc) == 585 and all(len(p["references"]) == 4 and p["target"] == p["references"][0] for p in duc)
+    test_dev = read_pairs_file(data / "gigaword" / "test_dev.jsonl.gz")
+    assert len(test_dev) == 2000 and all(p["references"] == [p["target"]] for p in test_dev)

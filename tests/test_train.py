@@ -183,6 +183,8 @@ def test_signal_to_the_process_group_checkpoints_then_exits_as_interrupted(tiny_
     assert proc.wait(timeout=600) == 128 + sig, proc.stdout.read().decode()[-2000:]
     output = proc.stdout.read().decode()
     assert f"interrupted by {signal.Signals(sig).name}" in output and "again to resume" in output
+    # stderr is a pipe, not a terminal: one line per log interval, no progress bar's carriage returns
+    assert "\r" not in output and "step 5/100000 train loss" in output
     pointer = json.loads((tmp_path / "run" / "latest.json").read_text())
     assert pointer["step"] >= 5 and (tmp_path / "run" / pointer["checkpoint"]).exists()
 
