@@ -74,9 +74,10 @@ def load(path: str | Path, map_location="cpu") -> dict:
 
 
 def restore_model(state: dict) -> Seq2Seq:
-    """The model a checkpoint describes, built from its own config and vocabulary (never the current
-    config's), with its weights, on the CPU: every path that loads weights builds the model here."""
-    model = Seq2Seq(from_dict(state["config"]).model, state["data_meta"]["vocab_size"])
+    """The model a checkpoint describes, built from its own model config and vocabulary (never the current
+    config's), with its weights, on the CPU: every path that loads weights builds the model here. Only
+    the model section is read: settings of decoding or logging may change between releases."""
+    model = Seq2Seq(from_dict({"model": state["config"]["model"]}).model, state["data_meta"]["vocab_size"])
     model.load_state_dict(state["model"])
     return model
 
