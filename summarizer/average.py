@@ -16,7 +16,7 @@ from summarizer.errors import CheckpointError
 _STEP_FILE = re.compile(r"ckpt_(\d+)\.pt$")
 
 
-def step_checkpoints(run_dir: Path) -> list[Path]:
+def checkpoints_by_step(run_dir: Path) -> list[Path]:
     """The run's step checkpoints (ckpt_<step>.pt), oldest first by step."""
     found = [(int(m.group(1)), p) for p in run_dir.glob("ckpt_*.pt") if (m := _STEP_FILE.search(p.name))]
     return [p for _, p in sorted(found)]
@@ -44,7 +44,8 @@ def average_states(paths: list[Path]) -> tuple[dict, dict]:
     checkpoint in memory at a time, then casts each tensor back to its own dtype."""
     sums: dict[str, torch.Tensor] = {}
     first = newest = None
-    for path in tqdm(paths, desc="average", unit="checkpoint", file=sys.stderr, leave=False):
+    for path in tqdm(paths, desc="average", unit="checkpoint", file=sys.stderr, leave=False,
+                     disable=None):  # disable=None: no bar when stderr is not a terminal
         state = checkpoint.load(path)
         if first is None:
             first = {"config": state["config"], "data_meta": state["data_meta"]}
@@ -73,7 +74,7 @@ def average_checkpoints(cfg: Config, last: int) -> tuple[Path, list[int]]:
         raise CheckpointError(f"--last must be at least 1, got {last}")
     if not run_dir.is_dir():
         raise CheckpointError(f"run dir {run_dir} does not exist: set run.name (or run.dir) to a trained run")
-    found = step_checkpoints(run_dir)
+    found = checkpoints_by_step(run_dir)
     if len(found) < last:
         raise CheckpointError(f"{run_dir} holds {len(found)} step checkpoint(s) (ckpt_*.pt), fewer than the "
                               f"{last} asked for: lower --last (N), or train with train.keep_last={last} or more "

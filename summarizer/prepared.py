@@ -10,7 +10,7 @@ import numpy as np
 
 from summarizer.constraints import Lexicon
 from summarizer.errors import DataError
-from summarizer.tokenizer import Tokenizer
+from summarizer.tokenizer import UNK_WORD, Tokenizer
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -97,10 +97,17 @@ def training_words(data_dir: str | Path) -> frozenset[str]:
     return frozenset(known)
 
 
+def source_only(word: str) -> bool:
+    """Words a summary may take from its own source but never from the training text: the unknown-word
+    marker and masked numbers ("##.#"). Written without the source, they mean nothing to a reader."""
+    return word == UNK_WORD or "#" in word
+
+
 @functools.lru_cache(maxsize=4)
 def lexicon(data_dir: str | Path) -> Lexicon:
-    """The dir's tokenizer and training words as the word rules of decoding use them (built once per process)."""
-    return Lexicon(open_tokenizer(data_dir), training_words(data_dir))
+    """The dir's tokenizer and training words as the word rules of decoding use them (built once per process):
+    every training word except the source-only ones."""
+    return Lexicon(open_tokenizer(data_dir), {w for w in training_words(data_dir) if not source_only(w)})
 
 
 def open_tokenizer(data_dir: str | Path) -> Tokenizer:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from summarizer import checkpoint
-from summarizer.average import average_checkpoints, step_checkpoints
+from summarizer.average import average_checkpoints, checkpoints_by_step
 from summarizer.config import load_config
 from summarizer.errors import CheckpointError
 
@@ -27,7 +27,7 @@ def trained(tmp_path_factory):
             f"run.tensorboard_dir={tmp / 'tb'}", *SMALL]
     assert prep(args[:4]) == 0
     assert main(["train", *args]) == 0
-    assert [p.name for p in step_checkpoints(tmp / "run")] == [f"ckpt_{s:08d}.pt" for s in (2, 4, 6)]
+    assert [p.name for p in checkpoints_by_step(tmp / "run")] == [f"ckpt_{s:08d}.pt" for s in (2, 4, 6)]
     return tmp, args
 
 

@@ -130,6 +130,25 @@ def test_word_rules_emit_only_known_or_source_words_and_never_twice(lexicon_and_
         assert len(words) == len(set(words)), words
 
 
+def test_numbers_and_the_unknown_marker_come_only_from_the_source(tiny_prepared):
+    """A masked number ("##") or "<unk>" is a training word, but a summary may write one only when its own
+    source has it: made up, it is a hole in the headline ("$ ## millions", "rises <unk> %")."""
+    from summarizer.constraints import WordRules
+    from summarizer.prepared import lexicon
+    tokenizer, lex = open_tokenizer(tiny_prepared), lexicon(tiny_prepared)
+    assert {"##", "<unk>"} <= training_words(tiny_prepared)
+    number, (space, unk) = tokenizer.encode("##"), tokenizer.encode("<unk>")
+    assert tokenizer.sp.id_to_piece(number[0]) == "\u2581#"  # begins "##", "#.##", "#-#": numbers only
+    sources = [tokenizer.encode("albion won ## points <unk>"), tokenizer.encode("albion won the league")]
+    rules = WordRules(lex, sources, group=1, known_only=True, no_repeat=True)
+    start = rules.mask(torch.zeros(2, lex.vocab_size)) > float("-inf")
+    assert start[0, number[0]] and not start[1, number[0]]
+    rules.advance([0, 1], [space, space])  # both rows begin a word with the bare word-start piece
+    after_space = rules.mask(torch.zeros(2, lex.vocab_size)) > float("-inf")
+    assert after_space[0, unk] and not after_space[1, unk]
+    assert after_space[1].sum() > 1  # other words still begin this way
+
+
 def test_word_rules_agree_between_greedy_and_beam_one(lexicon_and_model):
     _, _, lex, m, src, _ = lexicon_and_model
     s = settings(max_len=20, known_words=True, no_repeat_words=True)
