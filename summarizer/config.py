@@ -125,7 +125,7 @@ class EvalConfig:
     quantize: str = "none"  # none | int8 (dynamic int8 linear layers, CPU decoding)
     max_len: int = 30  # target tokens
     min_len: int = 1
-    length_penalty: float = 1.0
+    length_penalty: float = 2.0  # measured on test_dev and DUC-2003: README, Results
     no_repeat_ngram: int = 3  # 0 = off
     known_words: bool = True  # every word of a summary is a word of the training text or of its source (numbers, <unk>: source only)
     no_repeat_words: bool = True  # no word twice in a summary
