@@ -116,7 +116,7 @@ def significance(scores_a: np.ndarray, scores_b: np.ndarray, samples: int, seed:
 def compare(a: str, b: str, ref: str, out_dir: str | Path = ".", samples: int = 10_000, seed: int = 0,
             truncate: int = 0) -> dict:
     """Score A and B against REF, test B−A, write OUT/compare.json; returns the report. With `truncate` > 0
-    both systems are cut to that many bytes and ROUGE recall is compared (DUC's convention, as eval does)."""
+    both are cut to the whole words within that many bytes and ROUGE recall is compared (as eval does)."""
     if samples < 1:
         raise CompareError(f"--samples must be at least 1, got {samples} (10000 is the usual choice)")
     path_a, preds_a = read_predictions(a, "A")
@@ -132,8 +132,10 @@ def compare(a: str, b: str, ref: str, out_dir: str | Path = ".", samples: int = 
     if out.resolve() in {path_a.resolve(), path_b.resolve(), Path(where).resolve()}:
         raise CompareError(f"output {out} is one of the inputs; choose another --out")
     measure = "r" if truncate else "f"
-    scores = [pair_scores([truncate_bytes(p, truncate) for p in preds], references, measure, f"score {name}")
-              [:, :, MEASURES.index(measure)] for name, preds in (("A", preds_a), ("B", preds_b))]
+    cut = {name: [truncate_bytes(p, truncate, whole_words=True) for p in preds]
+           for name, preds in (("A", preds_a), ("B", preds_b))}
+    scores = [pair_scores(cut[name], references, measure, f"score {name}")[:, :, MEASURES.index(measure)]
+              for name in ("A", "B")]
     metrics = significance(*scores, samples, seed)
     report = {
         "a": str(path_a), "b": str(path_b), "references": where, "pairs": len(references), "metrics": metrics,

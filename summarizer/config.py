@@ -127,7 +127,7 @@ class EvalConfig:
     min_len: int = 1
     length_penalty: float = 2.0  # measured on test_dev and DUC-2003: README, Results
     no_repeat_ngram: int = 3  # 0 = off
-    known_words: bool = True  # every word of a summary is a word of the training text or of its source (numbers, <unk>: source only)
+    known_words: bool = True  # every word: a training or source word (masked numbers, <unk>: source only)
     no_repeat_words: bool = True  # no word twice in a summary
     lead_baselines: list = field(default_factory=lambda: [8, 10, 12])
     bootstrap_samples: int = 1000
