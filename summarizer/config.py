@@ -121,6 +121,7 @@ class EvalConfig:
     out_dir: str = ""  # default: the run dir
     beam_size: int = 4
     batch_tokens: int = 4096  # source tokens per decoding batch (sentences sorted by length, padded)
+    threads: int = 0  # batches decoded at once, one core each; 0 = one per core on CPU (torch threads), 1 on GPU
     precision: str = "auto"  # decoding precision: auto (bf16 where fast, else fp32 on CPU) | fp32 | bf16 | fp16
     quantize: str = "none"  # none | int8 (dynamic int8 linear layers, CPU decoding)
     max_len: int = 30  # target tokens
@@ -302,6 +303,7 @@ def validate(cfg: Config) -> None:
                     "data.subword_alpha": d.subword_alpha, "train.profile_steps": t.profile_steps,
                     "train.sample_summaries": t.sample_summaries, "data.valid_holdout": d.valid_holdout,
                     "data.train_limit": d.train_limit, "eval.min_len": e.min_len, "eval.limit": e.limit,
+                    "eval.threads": e.threads,
                     "eval.no_repeat_ngram": e.no_repeat_ngram, "eval.truncate_bytes": e.truncate_bytes,
                     "bench.warmup": cfg.bench.warmup}
     for key, value in not_negative.items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -53,8 +54,7 @@ class Rules:
                                    settings.known_words, settings.no_repeat_words)
 
     def apply(self, log_probs: Tensor, step: int, prefixes: Tensor) -> Tensor:
-        """(R, V) scores of the next token, with every forbidden token at -inf (a new tensor)."""
-        log_probs = log_probs.clone()
+        """(R, V) scores of the next token (the step's own tensor), every forbidden token set to -inf in place."""
         log_probs[:, [PAD, BOS]] = float("-inf")
         if self.words is not None:
             self.words.mask(log_probs)
@@ -69,12 +69,14 @@ class Rules:
             log_probs[:, EOS] = torch.where(torch.isinf(eos), torch.zeros_like(eos), eos)  # always allowed here
         return _block_repeats(log_probs, prefixes, self.s.no_repeat_ngram)
 
-    def advance(self, parents: Tensor, tokens: Tensor) -> None:
-        """Row i now continues row parents[i] with tokens[i]."""
+    def advance(self, parents: Tensor, tokens: Tensor, group: int | None = None) -> None:
+        """Row i now continues row parents[i] with tokens[i]; `group` rows per sentence from now on if given."""
+        self.bytes = self.bytes[parents]
         if self.lexicon is not None:
-            self.bytes = self.bytes[parents] + self.lexicon.piece_bytes.to(tokens.device)[tokens]
+            self.bytes += self.lexicon.piece_bytes.to(tokens.device)[tokens]
         if self.words is not None:
             self.words.advance(parents.tolist(), tokens.tolist())
+            self.words.group = group or self.words.group
 
     def finish(self, row: int, hyp: list[int]) -> list[int]:
         """Row `row` ends with `hyp`: without the word it is spelling if that word may not end (only
@@ -137,34 +139,35 @@ def beam_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon |
 
     A hypothesis is finalised when it emits EOS (fairseq-style), and the beam keeps `beam_size` live
     hypotheses; a sentence is done once it holds `beam_size` finished ones, and then leaves the batch.
-    Scores are sums of log-probabilities; length counts tokens including EOS.
+    Scores are sums of log-probabilities; length counts tokens including EOS. A sentence's beams all
+    start from BOS, so the first step decodes one row per sentence (`width` 1) and widens to K.
     """
     batch, k, device = src_ids.shape[0], settings.beam_size, src_ids.device
-    memory = model.encode(src_ids)
-    state = model.start_decoding(memory, src_ids, group=k) if use_cache else None
-    rules = Rules(src_ids, k, settings, lexicon)
+    memory, width = model.encode(src_ids), 1
+    state = model.start_decoding(memory, src_ids, group=width) if use_cache else None
+    rules = Rules(src_ids, width, settings, lexicon)
     alive = torch.arange(batch, device=device)  # batch row -> input sentence
-    prefixes = torch.full((batch * k, 1), BOS, dtype=torch.long, device=device)
-    scores = torch.full((batch, k), float("-inf"), device=device)
-    scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
+    prefixes = torch.full((batch, 1), BOS, dtype=torch.long, device=device)
+    scores = torch.zeros((batch, 1), device=device)
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
     for step in range(settings.max_len + 1):
-        log_probs = _step(model, prefixes, memory, src_ids, state, k).to(device)
+        log_probs = _step(model, prefixes, memory, src_ids, state, width).to(device)
         log_probs = rules.apply(log_probs, step, prefixes[:, 1:])  # (R, V)
         n, vocab = scores.shape[0], log_probs.shape[-1]
-        top_scores, top_index = (scores.view(-1, 1) + log_probs).view(n, k * vocab).topk(2 * k, dim=-1)
-        beam, token = top_index // vocab, top_index % vocab  # (n, 2K): at most K of them end in EOS
+        candidates = log_probs.add_(scores.view(-1, 1)).reshape(n, width * vocab)
+        top_scores, top_index = candidates.topk(2 * k, dim=-1)  # (n, 2K): at most K of them end in EOS
+        beam, token = top_index // vocab, top_index % vocab
         is_eos = (token == EOS) & torch.isfinite(top_scores)
-        _finalise(finished, alive, prefixes, top_scores, beam, is_eos, k, settings.length_penalty, rules)
+        parents = torch.arange(n, device=device)[:, None] * width + beam  # (n, 2K) the row each extends
+        _finalise(finished, alive, prefixes, top_scores, parents, is_eos, k, settings.length_penalty, rules)
         # The K best non-EOS candidates continue.
         live = ~is_eos
         chosen = live & (live.cumsum(dim=1) <= k)
-        scores = top_scores[chosen].view(n, k)
-        parents = (torch.arange(n, device=device)[:, None] * k + beam)[chosen]
+        scores, parents, width = top_scores[chosen].view(n, k), parents[chosen], k
         prefixes = torch.cat([prefixes[parents], token[chosen].view(-1, 1)], dim=1)
-        rules.advance(parents, token[chosen])
+        rules.advance(parents, token[chosen], group=k)
         if state is not None:
-            model.reorder(state, parents)
+            model.reorder(state, parents, group=k)
         done = torch.tensor([len(finished[i]) >= k for i in alive.tolist()], device=device)
         if bool(done.any()):
             keep = (~done).nonzero().squeeze(1)
@@ -179,16 +182,16 @@ def beam_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon |
     return [max(f, key=lambda item: item[0])[1] if f else [] for f in finished]
 
 
-def _finalise(finished: list, alive: Tensor, prefixes: Tensor, top_scores: Tensor, beam: Tensor,
+def _finalise(finished: list, alive: Tensor, prefixes: Tensor, top_scores: Tensor, parents: Tensor,
               is_eos: Tensor, k: int, length_penalty: float, rules: Rules) -> None:
     """Move the EOS candidates ranked within the top K into their sentence's finished list (at most K)."""
     ranked = is_eos & (torch.arange(is_eos.shape[1], device=is_eos.device) < k)
     rows, cols = ranked.nonzero(as_tuple=True)
     if not rows.numel():
         return
-    parents = rows * k + beam[rows, cols]
-    hyps = prefixes[parents, 1:].tolist()
-    for b, parent, score, hyp in zip(alive[rows].tolist(), parents.tolist(), top_scores[rows, cols].tolist(), hyps,
+    ended = parents[rows, cols]
+    hyps = prefixes[ended, 1:].tolist()
+    for b, parent, score, hyp in zip(alive[rows].tolist(), ended.tolist(), top_scores[rows, cols].tolist(), hyps,
                                      strict=True):
         if len(finished[b]) < k:  # the score counts the length as searched, before any cut word
             finished[b].append((score / (len(hyp) + 1) ** length_penalty, rules.finish(parent, hyp)))
@@ -212,13 +215,22 @@ def length_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return batches + [current] if current else batches
 
 
+def decode_threads(settings: EvalConfig, rt: runtime.Runtime) -> int:
+    """How many batches decode at once: `eval.threads`, else one per intra-op thread on CPU, one on GPU."""
+    if settings.threads:
+        return settings.threads
+    return torch.get_num_threads() if "cpu" in (rt.device.type, rt.decoder_device.type) else 1
+
+
 def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt: runtime.Runtime,
                desc: str = "", lexicon: Lexicon | None = None, use_cache: bool = True) -> list[list[int]]:
     """Source id sequences -> hypothesis id lists, in input order, decoded as `settings` (the eval section) says.
 
     Sources are sorted by length and cut into batches of `settings.batch_tokens` padded source tokens,
     decoded with dropout off and under inference_mode (so no RNG stream is drawn from), and put back in input
-    order. The word rules and the byte minimum (`settings.known_words`, `no_repeat_words`,
+    order. On CPU, `decode_threads` batches decode at once, each on one core (CTranslate2's inter_threads):
+    at decoding's few rows per matmul one core per batch beats two cores on one batch, and the outputs
+    are the same. The word rules and the byte minimum (`settings.known_words`, `no_repeat_words`,
     `truncate_bytes`) need the run's `lexicon`. `desc` names a progress bar, shown only when stderr is
     a terminal. `use_cache=False` recomputes every prefix from scratch (the reference the KV cache is
     tested and benched against).
@@ -228,10 +240,25 @@ def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt
     model = runtime.unwrap(model)
     hyps: list = [None] * len(sources)
     batches = length_batches([len(s) for s in sources], settings.batch_tokens)
-    with runtime.eval_mode(model), torch.inference_mode():
-        for idx in tqdm(batches, desc=desc, unit="batch", file=sys.stderr, disable=None if desc else True):
-            src = runtime.move(pad_sources([sources[i] for i in idx]), rt.device)
-            with rt.compute():
-                for i, hyp in zip(idx, decode_batch(model, src, settings, lexicon, use_cache), strict=True):
+
+    def decode(idx: list[int]) -> tuple[list[int], list[list[int]]]:
+        src = runtime.move(pad_sources([sources[i] for i in idx]), rt.device)
+        with torch.inference_mode(), rt.compute():  # both are thread-local: entered in the thread that decodes
+            return idx, decode_batch(model, src, settings, lexicon, use_cache)
+
+    threads, intra_op = min(decode_threads(settings, rt), len(batches)), torch.get_num_threads()
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    with runtime.eval_mode(model), tqdm(total=len(batches), desc=desc, unit="batch", file=sys.stderr,
+                                        disable=None if desc else True) as progress:
+        try:
+            if pool is not None:
+                torch.set_num_threads(1)
+            for idx, out in pool.map(decode, batches) if pool is not None else map(decode, batches):
+                for i, hyp in zip(idx, out, strict=True):
                     hyps[i] = hyp
+                progress.update()
+        finally:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
+                torch.set_num_threads(intra_op)
     return hyps

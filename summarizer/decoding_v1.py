@@ -31,6 +31,16 @@ def _layer_step(layer, x: Tensor, memory_kv, src_mask: Tensor, cache: dict | Non
     return x + layer.drop(layer.ffn(layer.norm3(x)))
 
 
+def _log_probs(out: DecoderOutput, src_ids: Tensor) -> Tensor:
+    """Release 1's copy mixture, in probability space over the whole (R, T, V) tensor."""
+    if out.copy_attn is None:
+        return out.logits.float().log_softmax(dim=-1)
+    probs = out.logits.float().softmax(dim=-1).mul_(out.gate)
+    index = src_ids[:, None, :].expand(-1, out.logits.shape[1], -1)  # (R, T, S)
+    probs.scatter_add_(2, index, (1.0 - out.gate) * out.copy_attn)
+    return probs.clamp_min_(1e-12).log_()
+
+
 def _decode(model: Seq2Seq, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cache: dict | None) -> Tensor:
     past = cache.get("length", 0) if cache is not None else 0
     src_mask = model.source_mask(src_ids)
@@ -46,13 +56,13 @@ def _decode(model: Seq2Seq, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, cac
         cache["length"] = past + tgt_in.shape[1]
     logits = F.linear(h, model.embedding.weight)
     if not model.cfg.copy:
-        return model.log_probs(DecoderOutput(logits, None, None), src_ids)
+        return _log_probs(DecoderOutput(logits, None, None), src_ids)
     scores = model.copy_query(h) @ model.copy_key(memory).transpose(1, 2)
     scores = scores.float() / math.sqrt(model.cfg.d_model)
     attn = scores.masked_fill(~src_mask[:, 0], float("-inf")).softmax(dim=-1)
     context = attn.to(memory.dtype) @ memory
     gate = torch.sigmoid(model.copy_gate(torch.cat([h, context], dim=-1)).float())
-    return model.log_probs(DecoderOutput(logits, attn, gate), src_ids)
+    return _log_probs(DecoderOutput(logits, attn, gate), src_ids)
 
 
 def _reorder_cache(cache: dict, index: Tensor) -> dict:

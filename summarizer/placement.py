@@ -55,8 +55,8 @@ class PlacedSeq2Seq(nn.Module):
                                       move(src_ids, self.dec_dev), state)
         return log_probs.to(tgt_in.device)
 
-    def reorder(self, state, rows: Tensor) -> None:
-        self.inner.reorder(state, move(rows, self.dec_dev))
+    def reorder(self, state, rows: Tensor, group: int | None = None) -> None:
+        self.inner.reorder(state, move(rows, self.dec_dev), group)
 
     def keep_sentences(self, state, keep: Tensor) -> None:
         self.inner.keep_sentences(state, move(keep, self.dec_dev))

@@ -187,3 +187,21 @@ def test_length_batches_fit_the_budget_and_cover_every_sentence():
         assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 40
         assert [lengths[i] for i in b] == sorted(lengths[i] for i in b)
     assert [i for b in batches for i in b] == sorted(range(len(lengths)), key=lambda i: lengths[i])
+
+
+def test_batches_decoded_in_parallel_give_the_same_outputs_in_input_order(model):
+    """eval.threads: several batches at once (one core each) change neither outputs nor their order, and the
+    process's intra-op thread count is restored afterwards."""
+    from summarizer import runtime
+    from summarizer.config import Config
+    from summarizer.decoding import decode_all
+    torch.manual_seed(2)
+    sources = [torch.randint(4, 40, (int(n),)).tolist() for n in torch.randint(2, 12, (23,))]
+    rt = runtime.setup(Config(), "fp32")
+    threads = torch.get_num_threads()
+    for beam in (1, 3):
+        one = decode_all(model, sources, settings(beam_size=beam, batch_tokens=24, threads=1), rt)
+        several = decode_all(model, sources, settings(beam_size=beam, batch_tokens=24, threads=3), rt)
+        alone = [greedy(model, torch.tensor([s]), PLAIN)[0] for s in sources] if beam == 1 else one
+        assert several == one == alone
+        assert torch.get_num_threads() == threads

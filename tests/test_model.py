@@ -93,6 +93,20 @@ def test_copy_puts_mass_on_source_tokens():
     assert torch.allclose(probs[0, :, [7, 9, 11]].sum(-1), torch.ones(2), atol=1e-4)
 
 
+def test_log_space_copy_mixture_equals_the_probability_space_one():
+    """Correcting only the source's ids in log space gives log(g p_vocab + (1 - g) copy), repeated ids and
+    padding included, for rows grouped by sentence (beams)."""
+    from summarizer.decoding_v1 import _log_probs as in_probability_space
+    from summarizer.model import DecoderOutput
+    torch.manual_seed(0)
+    src = torch.tensor([[7, 9, 7, 11, 0], [5, 5, 5, 6, 8]])  # ids repeated, one padded position
+    r, t, s, v = 6, 3, 5, 20  # 3 rows per sentence
+    attn = torch.rand(r, t, s).masked_fill(torch.tensor([0, 0, 0, 0, 1], dtype=torch.bool), 0.0)
+    out = DecoderOutput(torch.randn(r, t, v) * 3, attn / attn.sum(-1, keepdim=True), torch.rand(r, t, 1))
+    expected = in_probability_space(out, src.repeat_interleave(3, dim=0))
+    assert torch.allclose(Seq2Seq.log_probs(out, src, group=3), expected, atol=1e-5)
+
+
 @pytest.mark.parametrize("variant", [{}, FULL])
 def test_gradients_reach_every_parameter(variant):
     model = tiny_model(**variant).train()
