@@ -125,7 +125,7 @@ class EvalConfig:
     precision: str = "auto"  # decoding precision: auto (bf16 where fast, else fp32 on CPU) | fp32 | bf16 | fp16
     quantize: str = "none"  # none | int8 (dynamic int8 linear layers, CPU decoding)
     max_len: int = 30  # target tokens
-    min_len: int = 1
+    min_len: int = 8  # tokens; headlines near the references' length: README, Results
     length_penalty: float = 2.0  # measured on test_dev and DUC-2003: README, Results
     no_repeat_ngram: int = 3  # 0 = off
     known_words: bool = True  # every word: a training or source word (masked numbers, <unk>: source only)

@@ -40,14 +40,17 @@ def _block_repeats(log_probs: Tensor, prefixes: Tensor, n: int) -> Tensor:
 
 class Rules:
     """What both searches forbid at each step, for the rows of one batch: PAD and BOS always; EOS before
-    `min_len` tokens (and, with `min_bytes`, before the summary fills that many bytes); anything but EOS
-    at `max_len`; a repeated piece n-gram; and, with `words`, pieces that would spell an unknown or a
-    repeated word (summarizer/constraints.py). Rows follow their beams via `advance` and `select`."""
+    `min_len` tokens or the source's own length, whichever is shorter (and, with `min_bytes`, before the
+    summary fills that many bytes); anything but EOS at `max_len`; a repeated piece n-gram; and, with
+    `words`, pieces that would spell an unknown or a repeated word (summarizer/constraints.py). Rows
+    follow their beams via `advance` and `select`."""
 
     def __init__(self, src_ids: Tensor, group: int, settings: EvalConfig, lexicon: Lexicon | None):
         self.s, self.lexicon = settings, lexicon
         self.min_bytes = settings.truncate_bytes if lexicon is not None else 0
         self.bytes = torch.zeros(src_ids.shape[0] * group, device=src_ids.device)  # (R,) UTF-8 bytes so far
+        # (R,) the fewest tokens before EOS: min_len, but never more than the row's own source has.
+        self.min_len = (src_ids != PAD).sum(dim=1).clamp(max=settings.min_len).repeat_interleave(group)
         self.words = None
         if lexicon is not None and (settings.known_words or settings.no_repeat_words):
             self.words = WordRules(lexicon, [row[row != PAD].tolist() for row in src_ids.cpu()], group,
@@ -60,7 +63,7 @@ class Rules:
             self.words.mask(log_probs)
         short = self.bytes < self.min_bytes + 1  # the first piece's word-start space is not written
         if step < self.s.min_len:
-            log_probs[:, EOS] = float("-inf")
+            log_probs[step < self.min_len, EOS] = float("-inf")
         elif self.min_bytes and bool(short.any()):
             log_probs[short, EOS] = float("-inf")
         if step >= self.s.max_len:
@@ -71,7 +74,7 @@ class Rules:
 
     def advance(self, parents: Tensor, tokens: Tensor, group: int | None = None) -> None:
         """Row i now continues row parents[i] with tokens[i]; `group` rows per sentence from now on if given."""
-        self.bytes = self.bytes[parents]
+        self.bytes, self.min_len = self.bytes[parents], self.min_len[parents]
         if self.lexicon is not None:
             self.bytes += self.lexicon.piece_bytes.to(tokens.device)[tokens]
         if self.words is not None:
@@ -87,7 +90,7 @@ class Rules:
         return hyp if self.words.may_end(row, spelling) else hyp[:len(hyp) - len(spelling.pieces)]
 
     def select(self, rows: Tensor, sentences: Tensor) -> None:
-        self.bytes = self.bytes[rows]
+        self.bytes, self.min_len = self.bytes[rows], self.min_len[rows]
         if self.words is not None:
             self.words.select(rows.tolist(), sentences.tolist())
 

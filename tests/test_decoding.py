@@ -205,3 +205,14 @@ def test_batches_decoded_in_parallel_give_the_same_outputs_in_input_order(model)
         alone = [greedy(model, torch.tensor([s]), PLAIN)[0] for s in sources] if beam == 1 else one
         assert several == one == alone
         assert torch.get_num_threads() == threads
+
+
+def test_minimum_length_never_exceeds_the_source():
+    """eval.min_len holds a summary back from ending, but never past its own source's length: a three-piece
+    input is not made into an eight-piece headline."""
+    from summarizer.decoding import Rules
+    src = torch.tensor([[5, 6, 7, 0, 0, 0, 0, 0, 0, 0], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]])
+    rules = Rules(src, 2, settings(min_len=8), None)
+    for step, ends in ((2, [False] * 4), (3, [True, True, False, False]), (8, [True] * 4)):
+        allowed = rules.apply(torch.zeros(4, 16), step, torch.full((4, step), 5)) > float("-inf")
+        assert allowed[:, 3].tolist() == ends, step  # 3: EOS
