@@ -193,9 +193,11 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
         "pad_multiple": (f"lengths padded to multiples of {padded} vs unpadded, in the second epoch", "tokens/s",
                          "higher", lambda: second_epoch_rates(variant(cfg, ("data", "pad_multiple", padded)),
                                                               variant(cfg, ("data", "pad_multiple", 1)))),
-        "decode_greedy": ("greedy decoding: today's decoder vs release 1's, word rules off on both", "sentences/s",
+        "decode_greedy": ("greedy decoding: today's decoder (default eval.quantize) vs release 1's (fp32), word rules "
+                          "off on both", "sentences/s",
                           "higher", lambda: decode_row(cfg, 1, "release1")),
-        "decode_beam4": ("beam-4 decoding: today's decoder vs release 1's, word rules off on both", "sentences/s",
+        "decode_beam4": ("beam-4 decoding: today's decoder (default eval.quantize) vs release 1's (fp32), word rules "
+                         "off on both", "sentences/s",
                          "higher", lambda: decode_row(cfg, 4, "release1")),
         "decode_rules": ("beam 4 with the word rules (known words, no repeats) vs without", "sentences/s", "higher",
                          lambda: decode_row(cfg, 4, "rules")),
@@ -221,7 +223,7 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
     }
     if weights(cfg).is_file():
         table["summarize"] = ("summarize, raw text in, summaries out: today (default settings) vs release 1's "
-                              "decoding", "lines/s", "higher", lambda: summarize_row(cfg))
+                              "decoding (fp32)", "lines/s", "higher", lambda: summarize_row(cfg))
     if best != "fp32":
         table["decode_bf16"] = (f"beam 4 decoding in {best} vs float32", "sentences/s", "higher",
                                 lambda: decode_row(cfg, 4, best))

@@ -18,7 +18,7 @@ from summarizer.config import Config
 from summarizer.data import pad_sources
 from summarizer.decoding import decode_all
 from summarizer.prepared import lexicon, load_split, open_tokenizer, read_meta, read_pairs
-from summarizer.quantize import quantize_int8
+from summarizer.quantize import quantize_int8, resolve_quantize
 from summarizer.scoring import rouge_report
 from summarizer.session import build
 
@@ -84,18 +84,20 @@ def alternate(variants: dict[str, Callable[[], list]], cfg: Config, count: int) 
 
 
 def decode_row(cfg: Config, beam: int, against: str) -> dict:
-    """sentences/s of today's decoder ("on") against `against` ("off"): "release1" (same settings, word
-    rules off, so outputs can be compared), "int8", "bf16" (decoding precision) or "rules" (the word
-    rules on, against off); with each side's ROUGE-1 on the decoded sentences and whether outputs agree."""
+    """sentences/s of today's decoder ("on") against `against` ("off"): "release1" (today's default
+    eval.quantize against release 1's float32, word rules off on both, so outputs can be compared),
+    "int8" (against float32), "bf16" (decoding precision) or "rules" (the word rules on, against off, at
+    the default eval.quantize); with each side's ROUGE-1 on the decoded sentences and whether outputs agree."""
     rt = runtime.setup(cfg, "fp32")
     sources, references = _sources(cfg)
     tokenizer, lex = open_tokenizer(cfg.data.dir), lexicon(cfg.data.dir)
     plain = dataclasses.replace(cfg.eval, beam_size=beam, known_words=False, no_repeat_words=False,
                                 truncate_bytes=0)
-    model = _model(cfg, rt)
+    rt_default = runtime.setup(cfg, cfg.eval.precision)  # decoding as `eval` runs it by default
+    model, default = _model(cfg, rt), _model(cfg, rt_default, resolve_quantize(cfg.eval.quantize, rt_default))
     ruled = dataclasses.replace(plain, known_words=True, no_repeat_words=True)
     on_settings = ruled if against == "rules" else plain
-    variants = {"on": lambda: decode_all(model, sources, on_settings, rt, lexicon=lex)}
+    variants = {"on": lambda: decode_all(default, sources, on_settings, rt_default, lexicon=lex)}
     if against == "release1":
         variants["off"] = lambda: release1_decode(model, sources, plain, rt)
     elif against == "int8":
@@ -107,7 +109,7 @@ def decode_row(cfg: Config, beam: int, against: str) -> dict:
         variants = {"on": lambda: decode_all(model, sources, plain, rt16, lexicon=lex),
                     "off": lambda: decode_all(model, sources, plain, rt, lexicon=lex)}
     else:
-        variants["off"] = lambda: decode_all(model, sources, plain, rt, lexicon=lex)
+        variants["off"] = lambda: decode_all(default, sources, plain, rt_default, lexicon=lex)
     result, outputs = alternate(variants, cfg, len(sources))
     for side, hyps in outputs.items():
         result[side]["rouge1"] = rouge_report([tokenizer.decode(h) for h in hyps], references, 0)["rouge1"]["f"]
@@ -117,19 +119,20 @@ def decode_row(cfg: Config, beam: int, against: str) -> dict:
 
 def summarize_row(cfg: Config) -> dict:
     """lines/s of `summarize` on raw text (normalise, tokenize, decode, detokenize, write), today's
-    against release 1's decoding loop, the default decoding settings on both."""
+    defaults against release 1's decoding loop in float32, the default decoding settings otherwise."""
     from summarizer import summarize
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, checkpoint=str(weights(cfg))))
+    release1 = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, quantize="none"))
     rt = runtime.setup(cfg, "fp32")
     n = cfg.bench.decode_sentences
     split = "test" if "test" in read_meta(cfg.data.dir)["splits"] else "valid"
     text = "".join(p["source"] + "\n" for p in read_pairs(cfg.data.dir, split)[:n]).encode()
 
-    def run(decode) -> list:
+    def run(config: Config, decode) -> list:
         out = io.StringIO()
-        summarize.summarize_stream(cfg, io.BytesIO(text), out, decode=decode, quiet=True)
+        summarize.summarize_stream(config, io.BytesIO(text), out, decode=decode, quiet=True)
         return out.getvalue().splitlines()
 
     old = lambda model, sources, settings, rt_, **_: release1_decode(model, sources, settings, rt)  # noqa: E731
-    result, _ = alternate({"on": lambda: run(decode_all), "off": lambda: run(old)}, cfg, n)
+    result, _ = alternate({"on": lambda: run(cfg, decode_all), "off": lambda: run(release1, old)}, cfg, n)
     return result

@@ -17,7 +17,7 @@ from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
 from summarizer.pairs import read_pairs_file
 from summarizer.placement import place_model
 from summarizer.prepared import lexicon, load_split, open_tokenizer, read_meta, read_pairs, training_words
-from summarizer.quantize import quantize_int8
+from summarizer.quantize import quantize_int8, resolve_quantize
 from summarizer.runtime import Runtime
 from summarizer.scoring import quality, rouge_report, truncate_bytes, words
 from summarizer.tokenizer import Tokenizer, normalize, restore_digits
@@ -25,7 +25,8 @@ from summarizer.tokenizer import Tokenizer, normalize, restore_digits
 
 def load_model(path: str | Path, rt: Runtime, meta: dict, quantize: str = "none") -> tuple[torch.nn.Module, dict]:
     """The checkpoint's own model (its config, not the current one), placed, in eval mode, int8 if
-    `quantize` says so; refused if `meta` (the data it will read) has another tokenizer."""
+    `quantize` (eval.quantize) says so, and (path, step, quantize as resolved); refused if `meta` (the data
+    it will read) has another tokenizer."""
     try:
         state = checkpoint.load(path)
     except CheckpointError as exc:
@@ -35,10 +36,10 @@ def load_model(path: str | Path, rt: Runtime, meta: dict, quantize: str = "none"
         raise CheckpointError(f"{exc}. Checkpoints of the same run that could replace it: "
                               f"{', '.join(str(p) for p in others)}; use one with eval.checkpoint=PATH") from None
     checkpoint.check_tokenizer(state["data_meta"], meta, f"checkpoint {path}")
-    model = checkpoint.restore_model(state)
+    model, quantize = checkpoint.restore_model(state), resolve_quantize(quantize, rt)
     if quantize == "int8":
         model = quantize_int8(model, rt.device)
-    return place_model(model, rt).eval(), {"path": str(path), "step": state["step"]}
+    return place_model(model, rt).eval(), {"path": str(path), "step": state["step"], "quantize": quantize}
 
 
 def eval_checkpoint(cfg: Config) -> Path:
@@ -98,7 +99,8 @@ def settings(cfg: Config, name: str, n: int, source: dict, precision: str) -> di
         "unk": "UNK and <unk> scored as the same word", "split": name, "pairs": n, "pairs_file": e.pairs or None,
         "beam_size": e.beam_size, "max_len": e.max_len, "min_len": e.min_len, "length_penalty": e.length_penalty,
         "no_repeat_ngram": e.no_repeat_ngram, "known_words": e.known_words, "no_repeat_words": e.no_repeat_words,
-        "truncate_bytes": e.truncate_bytes, "quantize": e.quantize, "checkpoint": source, "precision": precision}
+        "truncate_bytes": e.truncate_bytes, "quantize": source["quantize"],
+        "checkpoint": {"path": source["path"], "step": source["step"]}, "precision": precision}
 
 
 def evaluate(cfg: Config) -> dict:

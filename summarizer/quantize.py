@@ -4,7 +4,8 @@ Every linear layer, and the output projection onto the vocabulary (tied to the e
 its own int8 copy here), computes with int8 weights and activations quantized on the fly
 (torch.ao.quantization.quantize_dynamic, fbgemm/oneDNN kernels); embeddings, norms, attention
 scores and the copy mixture stay in float32. Weights shrink 4x and the matmuls run faster; the
-cost in ROUGE is measured by `make bench` (README).
+cost in ROUGE is measured by `make bench` and on both dev sets with three seeds (README, Results):
+within the seeds' noise, so `auto` (the default) decodes in int8 wherever the CPU would decode in fp32.
 """
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ from torch import nn
 
 from summarizer.errors import ConfigError
 from summarizer.model import Seq2Seq
+from summarizer.runtime import Runtime
+
+
+def resolve_quantize(requested: str, rt: Runtime) -> str:
+    """eval.quantize as decoding runs it: `auto` is int8 where the model decodes on the CPU in fp32, and none
+    where it decodes in 16 bit (a GPU, or a CPU with fast bf16: eval.precision)."""
+    if requested != "auto":
+        return requested
+    on_cpu = rt.device.type == "cpu" and rt.decoder_device.type == "cpu"
+    return "int8" if on_cpu and rt.precision == "fp32" else "none"
 
 
 def quantize_int8(model: Seq2Seq, device: torch.device) -> nn.Module:

@@ -99,11 +99,14 @@ def test_int8_decoding_runs_and_stays_close_to_float(trained_tiny):
 
 
 def test_summarize_streams_in_chunks_keeping_order_and_empty_lines(trained_tiny, monkeypatch, capsys):
+    """In float32 (eval.quantize=none) a line's summary does not depend on the lines around it, so each line
+    summarised alone must give the same line; int8 scales activations per batch, so there it may not."""
     import io
 
     from summarizer import summarize
     from summarizer.__main__ import main
     _, args = trained_tiny
+    args = [*args, "eval.quantize=none"]
     monkeypatch.setattr(summarize, "CHUNK_LINES", 3)
     texts = [f"the {w} government said monday it would cut fuel taxes ." if w else "" for w in
              ["france", "", "japan", "kenya", "", "", "chile", "india"]]
@@ -131,3 +134,19 @@ def test_the_shared_dev_sets_read_as_pairs_files():
     assert len(duc) == 585 and all(len(p["references"]) == 4 and p["target"] == p["references"][0] for p in duc)
     test_dev = read_pairs_file(data / "gigaword" / "test_dev.jsonl.gz")
     assert len(test_dev) == 2000 and all(p["references"] == [p["target"]] for p in test_dev)
+
+
+def test_quantize_auto_is_int8_only_where_decoding_runs_on_the_cpu_in_fp32():
+    from types import SimpleNamespace
+
+    import torch
+
+    from summarizer.quantize import resolve_quantize
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    rt = lambda dev, dec, precision: SimpleNamespace(device=dev, decoder_device=dec, precision=precision)  # noqa: E731
+    assert resolve_quantize("auto", rt(cpu, cpu, "fp32")) == "int8"
+    assert resolve_quantize("auto", rt(cpu, cpu, "bf16")) == "none"  # where bf16 is fast, it decodes in bf16
+    assert resolve_quantize("auto", rt(cuda, cuda, "bf16")) == "none"
+    assert resolve_quantize("auto", rt(cuda, cpu, "fp32")) == "none"  # encoder on a GPU: int8 is CPU only
+    assert resolve_quantize("none", rt(cpu, cpu, "fp32")) == "none"
+    assert resolve_quantize("int8", rt(cpu, cpu, "fp32")) == "int8"
