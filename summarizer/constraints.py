@@ -207,9 +207,9 @@ class WordRules:
         allowed[~allowed.any(dim=1), EOS] = True  # only at max_len can a row run out of words
         return log_probs.masked_fill_(~allowed, float("-inf"))
 
-    def advance(self, parents: list[int], tokens: list[int]) -> None:
-        """Row i now continues row parents[i] with tokens[i]."""
-        lex, new = self.lexicon, []
+    def advance(self, parents: list[int], tokens: list[int], group: int | None = None) -> None:
+        """Row i now continues row parents[i] with tokens[i]; `group` rows per sentence from now on if given."""
+        lex, new, self.group = self.lexicon, [], group or self.group
         for parent, token in zip(parents, tokens, strict=True):
             old = self.rows[parent]
             if token == EOS or not (lex.text[token] or lex.starts_word[token]):

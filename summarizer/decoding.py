@@ -78,8 +78,7 @@ class Rules:
         if self.lexicon is not None:
             self.bytes += self.lexicon.piece_bytes.to(tokens.device)[tokens]
         if self.words is not None:
-            self.words.advance(parents.tolist(), tokens.tolist())
-            self.words.group = group or self.words.group
+            self.words.advance(parents.tolist(), tokens.tolist(), group)
 
     def finish(self, row: int, hyp: list[int]) -> list[int]:
         """Row `row` ends with `hyp`: without the word it is spelling if that word may not end (only
