@@ -1,4 +1,5 @@
-"""Command line: `python -m summarizer {train,eval,summarize,bench,overfit} --config FILE [key=value ...]`."""
+"""Command line: `python -m summarizer {train,eval,summarize,bench,overfit} --config FILE [key=value ...]`, and the
+research harness `python -m summarizer {compare,average,seeds,report} ...`."""
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,11 @@ COMMANDS = {
 }
 # The research harness: each module adds its own options (`add_arguments`) and runs its command (`cli`).
 HARNESS = {
-    "compare": ("summarizer.compare", "ROUGE of two systems' predictions, B-A, bootstrap and randomization p-values"),
-    "average": ("summarizer.average", "average the weights of a run's last N step checkpoints"),
-    "seeds": ("summarizer.seeds", "train and evaluate a config with seeds 1..N; mean and std of ROUGE"),
-    "report": ("summarizer.report", "a Markdown (or CSV) table of runs: config diff, steps, precision, ROUGE"),
+    "compare": ("summarizer.harness.compare",
+                "ROUGE of two systems' predictions, B-A, bootstrap and randomization p-values"),
+    "average": ("summarizer.harness.average", "average the weights of a run's last N step checkpoints"),
+    "seeds": ("summarizer.harness.seeds", "train and evaluate a config with seeds 1..N; mean and std of ROUGE"),
+    "report": ("summarizer.harness.report", "a Markdown (or CSV) table of runs: config diff, steps, precision, ROUGE"),
 }
 
 
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         from summarizer.summarize import summarize_stream
         summarize_stream(cfg, sys.stdin.buffer, sys.stdout)
         return 0
-    from summarizer.bench import run_bench
+    from summarizer.bench.run import run_bench
     run_bench(cfg)
     return 0
 

@@ -5,8 +5,10 @@ keeps the two equal). They live in code so that an installed package needs no YA
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,149 +18,175 @@ import yaml
 
 from summarizer.errors import ConfigError
 
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+# Sections whose every key may change when a run resumes (how to evaluate, place or benchmark a run, and
+# names); in the other sections only keys marked resume=True may (summarizer/resume.py).
+RESUMABLE_SECTIONS = ("run", "eval", "placement", "bench", "overfit")
+
+
+def key(default: Any, *, choices: tuple = (), above: float | None = None, low: float | None = None,
+        below: float | None = None, high: float | None = None, resume: bool = False, bookkeeping: bool = False):
+    """A config field with its rules beside it, read by `validate`, `resume` and the harness' `report`:
+    allowed `choices`; bounds (`above` < value, `low` <= value, value < `below`, value <= `high`); whether it
+    may change when a run resumes; whether it is `bookkeeping` (a name or path, not part of the experiment)."""
+    meta = {"choices": choices, "above": above, "low": low, "below": below, "high": high, "resume": resume,
+            "bookkeeping": bookkeeping}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def rules(section: str, name: str) -> dict:
+    """The rules `key` put beside one field (empty for a field without any)."""
+    for f in dataclasses.fields(SECTIONS[section]):
+        if f.name == name:
+            return dict(f.metadata)
+    raise KeyError(f"{section}.{name}")
+
 
 @dataclass
 class RunConfig:
-    name: str = "base"
-    dir: str = ""  # default: checkpoints/<name>
-    tensorboard_dir: str = "runs"  # events go to <tensorboard_dir>/<name>
+    name: str = key("base", bookkeeping=True)
+    dir: str = key("", bookkeeping=True)  # default: checkpoints/<name>
+    tensorboard_dir: str = key("runs", bookkeeping=True)  # events go to <tensorboard_dir>/<name>
 
 
 @dataclass
 class DataConfig:
-    source: Any = ""  # "hf:NAME[:SUBSET]", a directory, or {split: [files]}
-    dir: str = "data/gigaword_sample"
-    source_field: str = "source"
-    target_field: str = "target"
-    references_field: str = "references"
+    source: Any = key("", resume=True)  # "hf:NAME[:SUBSET]", a directory, or {split: [files]}
+    dir: str = key("data/gigaword_sample", resume=True, bookkeeping=True)
+    source_field: str = key("source", resume=True)
+    target_field: str = key("target", resume=True)
+    references_field: str = key("references", resume=True)
     # product split -> source split names (file stems or hub split names); missing names are skipped
-    splits: dict = field(default_factory=lambda: {
-        "train": ["train", "valid"], "valid": [], "test": ["test_dev", "test"]})
-    valid_holdout: int = 500  # >0 and no valid split mapped: hold this many train pairs out as the valid split
-    train_limit: int = 0  # >0: train on only the first N prepared train pairs (overfit checks)
+    splits: dict = key({"train": ["train", "valid"], "valid": [], "test": ["test_dev", "test"]}, resume=True)
+    # >0 and no valid split mapped: hold this many train pairs out as the valid split
+    valid_holdout: int = key(500, low=0, resume=True)
+    train_limit: int = key(0, low=0)  # >0: train on only the first N prepared train pairs (overfit checks)
     lowercase: bool = True  # applied at prep and at `summarize`
     mask_digits: bool = True  # every digit -> '#', as Gigaword's preprocessing did
-    max_source_words: int = 120  # cleaning: longer pairs are dropped and counted
-    max_target_words: int = 40
-    vocab_size: int = 8000
-    spm_model_type: str = "unigram"
+    max_source_words: int = key(120, above=0)  # cleaning: longer pairs are dropped and counted
+    max_target_words: int = key(40, above=0)
+    vocab_size: int = key(8000, above=0)
+    spm_model_type: str = key("unigram", choices=("unigram", "bpe"))
     spm_character_coverage: float = 1.0
-    spm_input_sentence_size: int = 2_000_000
-    num_proc: int = 2  # processes for offline tokenization
-    max_source_len: int = 96  # tokens; longer sources are truncated when batched
-    max_target_len: int = 40
-    subword_alpha: float = 0.0  # >0: train on sampled segmentations (subword regularisation), smoothing alpha
-    subword_nbest: int = 8  # ...drawn among each word's n best segmentations
-    batch_tokens: int = 3000  # token budget per micro-batch (padded source + target)
-    bucket_size: int = 1000  # batches per length-sorted pool; larger = less padding, less randomness
-    pad_multiple: int = 4  # pad batch lengths up to a multiple of this: fewer distinct shapes for kernel caches
-    num_workers: int = 2
-    pin_memory: bool = True  # only has an effect on CUDA
-    persistent_workers: bool = True
-    prefetch_factor: int = 4
+    spm_input_sentence_size: int = key(2_000_000, above=0)
+    num_proc: int = key(2, above=0, resume=True)  # processes for offline tokenization
+    max_source_len: int = key(96, above=0)  # tokens; longer sources are truncated when batched
+    max_target_len: int = key(40, above=0)
+    subword_alpha: float = key(0.0, low=0)  # >0: sampled segmentations (subword regularisation), smoothing
+    subword_nbest: int = key(8, above=0)  # ...drawn among each word's n best segmentations
+    batch_tokens: int = key(3000, above=0)  # token budget per micro-batch (padded source + target)
+    bucket_size: int = key(1000, above=0)  # batches per length-sorted pool; larger = less padding, less randomness
+    pad_multiple: int = key(4, above=0)  # pad batch lengths to a multiple of this: fewer shapes for kernel caches
+    num_workers: int = key(2, low=0, resume=True)
+    pin_memory: bool = key(True, resume=True)  # only has an effect on CUDA
+    persistent_workers: bool = key(True, resume=True)
+    prefetch_factor: int = key(4, above=0, resume=True)
 
 
 @dataclass
 class ModelConfig:
-    d_model: int = 256
-    n_heads: int = 4
-    encoder_layers: int = 3
-    decoder_layers: int = 3
-    ffn_dim: int = 1024
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
+    d_model: int = key(256, above=0)
+    n_heads: int = key(4, above=0)
+    encoder_layers: int = key(3, above=0)
+    decoder_layers: int = key(3, above=0)
+    ffn_dim: int = key(1024, above=0)
+    dropout: float = key(0.1, low=0, below=1)
+    attention_dropout: float = key(0.0, low=0, below=1)
     fast_dropout: bool = True  # CPU masks from numpy's SFC64 instead of bernoulli_ (summarizer/dropout.py)
-    activation: str = "relu"  # feed-forward non-linearity: gelu | relu
+    activation: str = key("relu", choices=("gelu", "relu"))  # feed-forward non-linearity
     bias: bool = False  # additive biases in linear and LayerNorm layers (the copy gate keeps its own)
-    max_positions: int = 512
+    max_positions: int = key(512, above=0)
     copy: bool = True  # pointer-generator copy attention over source tokens
 
 
 @dataclass
 class TrainConfig:
     seed: int = 1234
-    deterministic: bool = False  # torch.use_deterministic_algorithms
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    flush_denormal: bool = True  # CPU: treat denormal floats as zero (FTZ/DAZ), avoiding x86's slow path
-    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    deterministic: bool = key(False, resume=True)  # torch.use_deterministic_algorithms
+    device: str = key("auto", resume=True)  # auto | cpu | cuda | cuda:N
+    flush_denormal: bool = key(True, resume=True)  # CPU: denormal floats as zero (FTZ/DAZ): no slow path
+    precision: str = key("auto", choices=PRECISIONS, resume=True)
     # auto (explicit on CPU, torch's choice on CUDA) | default | math | flash | efficient | explicit
-    sdpa_backend: str = "auto"
-    max_steps: int = 10_000
-    max_minutes: float = 0.0  # 0 = no time limit
-    accum_steps: int = 1
-    lr: float = 1e-3
-    warmup_steps: int = 400
-    schedule: str = "inverse_sqrt"  # inverse_sqrt | cosine | linear | constant
-    min_lr_ratio: float = 0.0  # floor for cosine/linear, as a fraction of lr
-    weight_decay: float = 0.01
+    sdpa_backend: str = key("auto", choices=("auto", "default", "math", "flash", "efficient", "explicit"), resume=True)
+    max_steps: int = key(10_000, above=0, resume=True)
+    max_minutes: float = key(0.0, low=0, resume=True)  # 0 = no time limit
+    accum_steps: int = key(1, above=0)
+    lr: float = key(1e-3, above=0, resume=True)
+    warmup_steps: int = key(400, low=0, resume=True)
+    schedule: str = key("inverse_sqrt", choices=("inverse_sqrt", "cosine", "linear", "constant"),
+                        resume=True)  # after warm-up
+    min_lr_ratio: float = key(0.0, low=0, high=1, resume=True)  # floor for cosine/linear, as a fraction of lr
+    weight_decay: float = key(0.01, low=0)
     betas: list = field(default_factory=lambda: [0.9, 0.98])
-    label_smoothing: float = 0.1
-    ema_decay: float = 0.999  # moving average of the weights, validated and kept in best.pt (0 = off)
-    clip_norm: float = 1.0  # 0 = no clipping (the norm is still logged)
-    max_bad_steps: int = 5  # abort after this many non-finite steps in a row
-    set_to_none: bool = True
-    fused_optimizer: bool = True  # AdamW(fused=True): one kernel for all parameters (CPU and CUDA)
-    fused_loss: bool = True  # one-pass vocabulary loss with an in-place backward (losses.VocabStats)
-    cudnn_benchmark: bool = True
-    cpu_kernel_cache: int = 8192
-    compile: bool = False
-    log_every: int = 50  # host syncs (.item()) happen only here
-    eval_every: int = 500
-    rouge_every: int = 500  # 0 = off
-    rouge_samples: int = 500
-    select_by: str = "rouge"  # loss | rouge
-    patience: int = 0  # evaluations without improvement before stopping; 0 = off
-    ckpt_every: int = 500
-    keep_last: int = 2
-    profile_steps: int = 0  # >0: torch.profiler trace of this many steps
-    sample_summaries: int = 3  # text samples logged to TensorBoard at each eval
+    label_smoothing: float = key(0.1, low=0, below=1)
+    ema_decay: float = key(0.999, low=0, below=1)  # weights' moving average, validated, kept in best.pt; 0 = off
+    clip_norm: float = key(1.0, low=0, resume=True)  # 0 = no clipping (the norm is still logged)
+    max_bad_steps: int = key(5, above=0, resume=True)  # abort after this many non-finite steps in a row
+    set_to_none: bool = key(True, resume=True)
+    fused_optimizer: bool = key(True, resume=True)  # AdamW(fused=True): one kernel for all parameters (CPU and CUDA)
+    fused_loss: bool = key(True, resume=True)  # one-pass vocabulary loss with an in-place backward (losses.VocabStats)
+    cudnn_benchmark: bool = key(True, resume=True)
+    cpu_kernel_cache: int = key(8192, low=0, resume=True)
+    compile: bool = key(False, resume=True)
+    log_every: int = key(50, above=0, resume=True)  # host syncs (.item()) happen only here
+    eval_every: int = key(500, above=0, resume=True)
+    rouge_every: int = key(500, low=0, resume=True)  # 0 = off
+    rouge_samples: int = key(500, low=0, resume=True)
+    select_by: str = key("rouge", choices=("loss", "rouge"))
+    patience: int = key(0, low=0, resume=True)  # evaluations without improvement before stopping; 0 = off
+    ckpt_every: int = key(500, above=0, resume=True)
+    keep_last: int = key(2, above=0, resume=True)
+    profile_steps: int = key(0, low=0, resume=True)  # >0: torch.profiler trace of this many steps
+    sample_summaries: int = key(3, low=0, resume=True)  # text samples logged to TensorBoard at each eval
 
 
 @dataclass
 class EvalConfig:
-    split: str = "test"
-    checkpoint: str = ""  # default: the run's best
-    out_dir: str = ""  # default: the run dir
-    beam_size: int = 4
-    batch_tokens: int = 4096  # source tokens per decoding batch (sentences sorted by length, padded)
-    threads: int = 0  # batches decoded at once, one core each; 0 = one per core on CPU (torch threads), 1 on GPU
-    precision: str = "auto"  # decoding precision: auto (bf16 where fast, else fp32 on CPU) | fp32 | bf16 | fp16
-    quantize: str = "auto"  # auto (int8 where decoding runs on the CPU in fp32) | none | int8 (dynamic int8 linears)
-    max_len: int = 30  # target tokens
-    min_len: int = 8  # tokens; headlines near the references' length: README, Results
+    split: str = key("test", choices=("train", "valid", "test"))
+    checkpoint: str = key("", bookkeeping=True)  # default: the run's best
+    out_dir: str = key("", bookkeeping=True)  # default: the run dir
+    beam_size: int = key(4, above=0)
+    batch_tokens: int = key(4096, above=0)  # source tokens per decoding batch (sentences sorted by length, padded)
+    threads: int = key(0, low=0)  # batches decoded at once, one core each; 0 = one per core on CPU, 1 on GPU
+    precision: str = key("auto", choices=PRECISIONS)  # decoding: auto = bf16 where fast, else fp32 on CPU
+    quantize: str = key("auto", choices=("auto", "none", "int8"))  # auto: int8 where decoding runs on CPU in fp32
+    max_len: int = key(30, above=0)  # target tokens
+    min_len: int = key(8, low=0)  # tokens; headlines near the references' length: README, Results
     length_penalty: float = 2.0  # measured on test_dev and DUC-2003: README, Results
-    no_repeat_ngram: int = 3  # 0 = off
+    no_repeat_ngram: int = key(3, low=0)  # 0 = off
     known_words: bool = True  # every word: a training or source word (masked numbers, <unk>: source only)
     no_repeat_words: bool = True  # no word twice in a summary
     lead_baselines: list = field(default_factory=lambda: [8, 10, 12])
-    bootstrap_samples: int = 1000
-    limit: int = 0  # decode only the first N pairs; 0 = all
+    bootstrap_samples: int = key(1000, above=0)
+    limit: int = key(0, low=0)  # decode only the first N pairs; 0 = all
     pairs: str = ""  # a pairs file (.jsonl[.gz]: source, target, optional references) to score instead of `split`
-    truncate_bytes: int = 0  # >0: cut summaries to this many UTF-8 bytes and report ROUGE recall (DUC: 75)
+    truncate_bytes: int = key(0, low=0)  # >0: cut summaries to this many UTF-8 bytes and report ROUGE recall (DUC: 75)
 
 
 @dataclass
 class OverfitConfig:
-    max_loss: float = 0.05  # `make overfit` fails unless the final train NLL per token is below this
-    min_exact_match: float = 0.9  # ...and greedy decoding reproduces at least this share of targets
+    max_loss: float = key(0.05, above=0)  # `make overfit` fails unless the final train NLL per token is below this
+    min_exact_match: float = key(0.9, low=0, high=1)  # ...and greedy decoding reproduces at least this share of targets
 
 
 @dataclass
 class PlacementConfig:
     encoder_device: str = ""
     decoder_device: str = ""
-    pipeline_chunks: int = 1
+    pipeline_chunks: int = key(1, above=0)
 
 
 @dataclass
 class BenchConfig:
-    repeats: int = 5
-    warmup: int = 2
-    steps: int = 10  # optimizer steps per measured repeat
+    repeats: int = key(5, above=0)
+    warmup: int = key(2, low=0)
+    steps: int = key(10, above=0)  # optimizer steps per measured repeat
     find_batch_tokens: bool = True
-    max_batch_tokens: int = 262_144
+    max_batch_tokens: int = key(262_144, above=0)
     rows: list = field(default_factory=list)  # practices to run; [] = all (names: `python -m summarizer bench`)
-    decode_sentences: int = 500  # test sources decoded by the decoding rows (the KV-cache row takes the first 64)
+    decode_sentences: int = key(500, above=0)  # test sources the decoding rows decode (KV-cache row: first 64)
     checkpoint: str = ""  # weights the decoding rows decode with; "" = the run's best.pt (a fresh model if none)
 
 
@@ -182,17 +210,7 @@ class Config:
         return Path(self.run.tensorboard_dir) / self.run.name
 
 
-_CHOICES = {
-    ("model", "activation"): ("gelu", "relu"),
-    ("train", "precision"): ("auto", "fp32", "bf16", "fp16"),
-    ("train", "sdpa_backend"): ("auto", "default", "math", "flash", "efficient", "explicit"),
-    ("train", "schedule"): ("inverse_sqrt", "cosine", "linear", "constant"),
-    ("train", "select_by"): ("loss", "rouge"),
-    ("data", "spm_model_type"): ("unigram", "bpe"),
-    ("eval", "split"): ("train", "valid", "test"),
-    ("eval", "precision"): ("auto", "fp32", "bf16", "fp16"),
-    ("eval", "quantize"): ("auto", "none", "int8"),
-}
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)  # section name -> its dataclass
 
 
 def _nearest(name: str, options, prefix: str = "") -> str:
@@ -270,58 +288,35 @@ def parse_override(text: str, cfg: Config | None = None) -> dict:
     return _nest(key.strip(), value)
 
 
+def _check_rules(section: str, name: str, value: Any) -> None:
+    key, meta = f"{section}.{name}", rules(section, name)
+    if meta.get("choices") and value not in meta["choices"]:
+        hint = _nearest(str(value), meta["choices"])
+        raise ConfigError(f"{key} must be one of {meta['choices']}, got {value!r}.{hint}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    if not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value}")
+    for bound, fails, words in (("above", lambda b: value <= b, "> {}"), ("low", lambda b: value < b, ">= {}"),
+                                ("below", lambda b: value >= b, "< {}"), ("high", lambda b: value > b, "<= {}")):
+        if meta.get(bound) is not None and fails(meta[bound]):
+            text = "positive" if (bound, meta[bound]) == ("above", 0) else words.format(meta[bound])
+            raise ConfigError(f"{key} must be {text}, got {value}")
+
+
 def validate(cfg: Config) -> None:
-    for (section, name), options in _CHOICES.items():
-        value = getattr(getattr(cfg, section), name)
-        if value not in options:
-            raise ConfigError(f"{section}.{name} must be one of {options}, got {value!r}."
-                              f"{_nearest(str(value), options)}")
+    """Each key against its own rules (`key`), then the rules that tie keys together."""
+    for section in SECTIONS:
+        for f in dataclasses.fields(SECTIONS[section]):
+            _check_rules(section, f.name, getattr(getattr(cfg, section), f.name))
     m, t, d, e = cfg.model, cfg.train, cfg.data, cfg.eval
-    positive = {"model.d_model": m.d_model, "model.n_heads": m.n_heads, "model.ffn_dim": m.ffn_dim,
-                "model.encoder_layers": m.encoder_layers, "model.decoder_layers": m.decoder_layers,
-                "model.max_positions": m.max_positions, "train.lr": t.lr, "train.accum_steps": t.accum_steps,
-                "train.max_steps": t.max_steps, "train.log_every": t.log_every, "train.eval_every": t.eval_every,
-                "train.ckpt_every": t.ckpt_every, "train.keep_last": t.keep_last,
-                "train.max_bad_steps": t.max_bad_steps,
-                "data.batch_tokens": d.batch_tokens, "data.vocab_size": d.vocab_size,
-                "data.pad_multiple": d.pad_multiple, "data.max_source_len": d.max_source_len,
-                "data.max_target_len": d.max_target_len, "data.max_source_words": d.max_source_words,
-                "data.max_target_words": d.max_target_words, "data.num_proc": d.num_proc,
-                "data.prefetch_factor": d.prefetch_factor, "data.subword_nbest": d.subword_nbest,
-                "eval.beam_size": e.beam_size,
-                "eval.batch_tokens": e.batch_tokens, "eval.max_len": e.max_len,
-                "eval.bootstrap_samples": e.bootstrap_samples,
-                "placement.pipeline_chunks": cfg.placement.pipeline_chunks, "bench.repeats": cfg.bench.repeats,
-                "bench.steps": cfg.bench.steps, "bench.decode_sentences": cfg.bench.decode_sentences}
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key} must be positive, got {value}")
-    not_negative = {"train.max_minutes": t.max_minutes, "train.warmup_steps": t.warmup_steps,
-                    "train.weight_decay": t.weight_decay, "train.clip_norm": t.clip_norm,
-                    "train.rouge_every": t.rouge_every, "train.rouge_samples": t.rouge_samples,
-                    "train.patience": t.patience, "train.ema_decay": t.ema_decay,
-                    "data.subword_alpha": d.subword_alpha, "train.profile_steps": t.profile_steps,
-                    "train.sample_summaries": t.sample_summaries, "data.valid_holdout": d.valid_holdout,
-                    "data.train_limit": d.train_limit, "eval.min_len": e.min_len, "eval.limit": e.limit,
-                    "eval.threads": e.threads,
-                    "eval.no_repeat_ngram": e.no_repeat_ngram, "eval.truncate_bytes": e.truncate_bytes,
-                    "bench.warmup": cfg.bench.warmup}
-    for key, value in not_negative.items():
-        if value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
     if e.min_len > e.max_len:
         raise ConfigError(f"eval.min_len ({e.min_len}) exceeds eval.max_len ({e.max_len}): no summary can satisfy "
                           f"both; lower eval.min_len or raise eval.max_len")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in t.betas):
         raise ConfigError(f"train.betas must be two numbers in [0, 1), got {t.betas}")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
-    for key, value in {"model.dropout": m.dropout, "model.attention_dropout": m.attention_dropout,
-                       "train.label_smoothing": t.label_smoothing, "train.ema_decay": t.ema_decay}.items():
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"{key} must be in [0, 1), got {value}")
     if d.vocab_size < 8:
         raise ConfigError(f"data.vocab_size must be at least 8 (4 special ids + pieces), got {d.vocab_size}")
     if d.max_source_len + 2 > m.max_positions or d.max_target_len + 2 > m.max_positions:
@@ -331,9 +326,11 @@ def validate(cfg: Config) -> None:
                           f"({d.max_source_len + d.max_target_len} tokens)")
     if t.select_by == "rouge" and t.rouge_every <= 0:
         raise ConfigError("train.select_by=rouge needs train.rouge_every > 0")
-    for key, value in {"data.num_workers": d.num_workers, "train.cpu_kernel_cache": t.cpu_kernel_cache}.items():
-        if value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if t.rouge_every > 0 and t.rouge_samples <= 0:
+        raise ConfigError("train.rouge_every > 0 needs train.rouge_samples > 0 (valid pairs to score), or set "
+                          "train.rouge_every=0 (and train.select_by=loss) to turn validation ROUGE off")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in e.lead_baselines):
+        raise ConfigError(f"eval.lead_baselines must be a list of positive word counts, got {e.lead_baselines}")
     if not isinstance(d.splits, dict) or "train" not in d.splits:
         raise ConfigError("data.splits must map 'train' (and optionally 'valid', 'test') to source split names")
 

@@ -17,7 +17,7 @@ from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
 from summarizer.pairs import read_pairs_file
 from summarizer.placement import place_model
 from summarizer.prepared import lexicon, load_split, open_tokenizer, read_meta, read_pairs, training_words
-from summarizer.quantize import quantize_int8, resolve_quantize
+from summarizer.quantize import decoding_precision, quantize_int8, resolve_quantize
 from summarizer.runtime import Runtime
 from summarizer.scoring import quality, rouge_report, truncate_bytes, words
 from summarizer.tokenizer import Tokenizer, normalize, restore_digits
@@ -106,7 +106,7 @@ def settings(cfg: Config, name: str, n: int, source: dict, precision: str) -> di
 def evaluate(cfg: Config) -> dict:
     """Decode `eval.pairs` or `eval.split` with the run's best checkpoint (or eval.checkpoint); write
     predictions.txt (what was scored, one line per pair) and rouge.json to eval.out_dir."""
-    rt = runtime.setup(cfg, cfg.eval.precision)
+    rt = runtime.setup(cfg, decoding_precision(cfg))
     meta = read_meta(cfg.data.dir)
     out_dir = Path(cfg.eval.out_dir) if cfg.eval.out_dir else cfg.run_dir
     refuse_overlap(out_dir, [cfg.data.dir] + ([cfg.eval.pairs] if cfg.eval.pairs else []), "eval.out_dir")

@@ -9,11 +9,13 @@ within the seeds' noise, so `auto` (the default) decodes in int8 wherever the CP
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
 from torch import nn
 
+from summarizer.config import Config
 from summarizer.errors import ConfigError
 from summarizer.model import Seq2Seq
 from summarizer.runtime import Runtime
@@ -28,11 +30,25 @@ def resolve_quantize(requested: str, rt: Runtime) -> str:
     return "int8" if on_cpu and rt.precision == "fp32" else "none"
 
 
+def decoding_precision(cfg: Config) -> str:
+    """The precision decoding runs in: eval.precision, except that int8 layers compute on float32
+    activations, so an explicit eval.quantize=int8 decodes in fp32 where eval.precision is auto (which
+    would pick bf16 on a CPU with fast bf16) and is refused beside a 16-bit eval.precision."""
+    e = cfg.eval
+    if e.quantize != "int8":
+        return e.precision
+    if e.precision in ("bf16", "fp16"):
+        raise ConfigError(f"eval.quantize=int8 computes in float32 and cannot decode in eval.precision={e.precision}; "
+                          f"choose one: eval.quantize=none for {e.precision}, or eval.precision=auto|fp32 for int8")
+    return "fp32"
+
+
 def quantize_int8(model: Seq2Seq, device: torch.device) -> nn.Module:
-    """A copy of `model` for decoding on the CPU with int8 linear layers."""
+    """A copy of `model` for decoding on the CPU with int8 linear layers; `model` itself is left as it was."""
     if device.type != "cpu":
         raise ConfigError(f"eval.quantize=int8 is a CPU decoding mode (device {device}); on a GPU decode in "
                           f"bf16 or fp16 (eval.precision) instead")
+    model = copy.deepcopy(model).eval()
     vocab, d_model = model.embedding.weight.shape
     model.vocab_projection = nn.Linear(d_model, vocab, bias=False)
     with torch.no_grad():
@@ -42,4 +58,4 @@ def quantize_int8(model: Seq2Seq, device: torch.device) -> nn.Module:
         # still torch's own, needs nothing installed, and is what this mode is built on.
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", UserWarning)
-        return torch.ao.quantization.quantize_dynamic(model.eval(), {nn.Linear}, dtype=torch.qint8)
+        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)

@@ -1,25 +1,16 @@
 """What may change when a run resumes: the new config against the checkpoint's, refusals named, changes recorded."""
 from __future__ import annotations
 
-from summarizer.config import Config, from_dict, to_dict
+from summarizer.config import RESUMABLE_SECTIONS, Config, from_dict, rules, to_dict
 from summarizer.errors import ConfigError
 
-# Keys that may differ from the checkpoint's config when a run resumes; they take effect from the
-# resumed step and are recorded in manifest.json. Everything else shapes the model, the data's
-# normalisation and tokenizer, the optimisation recipe or the batch plan the run is part-way
-# through, and a difference is refused.
-MUTABLE = {
-    "run": "*",
-    "data": {"source", "dir", "source_field", "target_field", "references_field", "splits", "valid_holdout",
-             "num_proc", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor"},
-    "model": set(),
-    "train": {"lr", "warmup_steps", "schedule", "min_lr_ratio", "max_steps", "max_minutes", "log_every",
-              "eval_every", "rouge_every", "rouge_samples", "ckpt_every", "keep_last", "profile_steps",
-              "sample_summaries", "patience", "max_bad_steps", "clip_norm", "device", "precision", "sdpa_backend",
-              "compile", "cudnn_benchmark", "cpu_kernel_cache", "flush_denormal", "deterministic", "set_to_none",
-              "fused_optimizer", "fused_loss"},
-    "eval": "*", "placement": "*", "bench": "*", "overfit": "*",
-}
+
+def may_change(dotted: str) -> bool:
+    """Whether a key may differ from the checkpoint's config when a run resumes (config.key's `resume` rule, or
+    a section that only says how to evaluate, place or benchmark). Everything else shapes the model, the data's
+    normalisation and tokenizer, the optimisation recipe or the batch plan the run is part-way through."""
+    section, name = dotted.split(".", 1)
+    return section in RESUMABLE_SECTIONS or rules(section, name).get("resume", False)
 
 
 def differences(old: dict, new: dict) -> list[tuple[str, object, object]]:
@@ -36,8 +27,7 @@ def check_resume(checkpoint_config: dict, cfg: Config, run_dir, step: int) -> li
     """
     old, new = to_dict(from_dict(checkpoint_config)), to_dict(cfg)
     changed = differences(old, new)
-    refused = [(key, a, b) for key, a, b in changed
-               if MUTABLE[key.split(".")[0]] != "*" and key.split(".")[1] not in MUTABLE[key.split(".")[0]]]
+    refused = [(key, a, b) for key, a, b in changed if not may_change(key)]
     if refused:
         listed = "; ".join(f"{key}: {a!r} in the checkpoint, {b!r} now" for key, a, b in refused)
         raise ConfigError(f"run {run_dir} was trained with other settings that cannot change when it resumes "

@@ -12,6 +12,7 @@ from summarizer.config import Config
 from summarizer.decoding import decode_all
 from summarizer.evaluate import eval_checkpoint, load_model, summary_text
 from summarizer.prepared import lexicon, open_tokenizer, read_meta
+from summarizer.quantize import decoding_precision
 
 CHUNK_LINES = 256  # lines read, decoded and written at a time: memory stays constant, output flows
 
@@ -27,15 +28,15 @@ def decode_lines(raw_lines, warn) -> list[str]:
     return texts
 
 
-def summarize_stream(cfg: Config, stdin, stdout, decode=decode_all, quiet: bool = False) -> dict:
+def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     """Summaries of `stdin` (a binary stream) written to `stdout`, normalised the way the training data was.
 
     Input is read CHUNK_LINES at a time, so a file of any size runs in constant memory; each chunk's
     summaries are written and flushed in input order before the next is read. An empty line gives an
     empty summary; a line with undecodable bytes is summarised with them replaced, and named on stderr.
-    `decode` is the decoding loop (the bench passes release 1's); `quiet` prints no bar and no summary line.
+    `quiet` prints no bar and no summary line.
     """
-    rt = runtime.setup(cfg, cfg.eval.precision)
+    rt = runtime.setup(cfg, decoding_precision(cfg))
     meta = read_meta(cfg.data.dir)
     tokenizer = open_tokenizer(cfg.data.dir)
     model, _ = load_model(eval_checkpoint(cfg), rt, meta, cfg.eval.quantize)
@@ -49,7 +50,7 @@ def summarize_stream(cfg: Config, stdin, stdout, decode=decode_all, quiet: bool 
 
     while chunk := decode_lines(itertools.islice(numbered, CHUNK_LINES), warn):
         sources = [tokenizer.encode_raw(text, norm)[:cfg.data.max_source_len] for text in chunk]
-        hyps = decode(model, sources, cfg.eval, rt, lexicon=lexicon(cfg.data.dir))
+        hyps = decode_all(model, sources, cfg.eval, rt, lexicon=lexicon(cfg.data.dir))
         stdout.write("".join((summary_text(h, text, tokenizer, meta, cfg.eval.truncate_bytes) if text.strip() else "")
                              + "\n" for text, h in zip(chunk, hyps, strict=True)))
         stdout.flush()

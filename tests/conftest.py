@@ -34,3 +34,24 @@ def _denormals_back_to_default():
     import torch
     yield
     torch.set_flush_denormal(False)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINED_ARGS = ["model.d_model=32", "model.ffn_dim=64", "train.max_steps=40", "train.eval_every=20",
+                "train.ckpt_every=10", "train.keep_last=3", "train.log_every=10", "train.sample_summaries=0",
+                "eval.bootstrap_samples=20"]
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> tuple[Path, list[str]]:
+    """One tiny run trained once per session, for every test that needs trained weights: (its tmp dir, the
+    CLI args naming its config, data and run dir). Step checkpoints 20, 30, 40 and best.pt are kept. Tests may
+    add files (evals, averages) but must not train it further."""
+    from data_prep.__main__ import main as prep
+    from summarizer.__main__ import main
+    tmp = tmp_path_factory.mktemp("trained_run")
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tmp / 'data'}", f"run.dir={tmp / 'run'}",
+            f"run.tensorboard_dir={tmp / 'tb'}", *TRAINED_ARGS]
+    assert prep(args[:4]) == 0
+    assert main(["train", *args]) == 0
+    return tmp, args

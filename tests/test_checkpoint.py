@@ -67,15 +67,6 @@ def test_tokenizer_mismatch_is_refused():
         checkpoint.check_tokenizer({"spm_sha256": "abc"}, {"spm_sha256": "def"}, "run x")
 
 
-def test_models_are_built_in_one_place_each():
-    """A fresh model is built by session.build, a checkpoint's by checkpoint.restore_model (from its own config)."""
-    import re
-    from pathlib import Path
-    call = re.compile(r"(?<![\w.])(?<!class )Seq2Seq\(")
-    builders = {p.name for p in Path("summarizer").glob("*.py") if call.search(p.read_text())}
-    assert builders == {"session.py", "checkpoint.py"}, builders
-
-
 def test_restore_model_uses_the_checkpoints_own_config():
     from summarizer.config import load_config, to_dict
     from summarizer.model import Seq2Seq

@@ -31,6 +31,12 @@ def test_defaults_then_yaml_then_overrides(tmp_path):
     ("train.rouge_every=0", "rouge_every"),
     ("train.cpu_kernel_cache=-1", "train.cpu_kernel_cache must be >= 0"),
     ("noequals", "key.sub=value"),
+    ("train.lr=nan", "train.lr must be a finite number"),
+    ("eval.length_penalty=.inf", "eval.length_penalty must be a finite number"),
+    ("eval.lead_baselines=[-3]", "eval.lead_baselines must be a list of positive"),
+    ("train.rouge_samples=0", "train.rouge_samples > 0"),
+    ("model.dropout=1.0", "model.dropout must be < 1"),
+    ("train.min_lr_ratio=1.5", "train.min_lr_ratio must be <= 1"),
 ])
 def test_bad_values_name_the_key_and_fix(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -84,3 +90,17 @@ def test_every_shipped_config_loads_and_base_documents_every_key():
             line = next((ln for ln in base.splitlines() if ln.strip().startswith(f"{key}:")), None)
             assert line is not None, f"configs/base.yaml lacks {section}.{key}"
             assert "#" in line, f"configs/base.yaml: {section}.{key} has no comment"
+
+
+def test_each_keys_rules_live_beside_its_field_and_every_reader_uses_them():
+    """Bounds, choices, the resume rule and the report's bookkeeping rule are metadata of the field; validate,
+    resume and report read them there (no list of keys elsewhere)."""
+    from summarizer.config import rules
+    from summarizer.harness.report import ignored
+    from summarizer.resume import may_change
+    assert rules("train", "lr")["above"] == 0 and rules("train", "schedule")["choices"][0] == "inverse_sqrt"
+    assert rules("train", "lr")["resume"] and may_change("train.lr") and may_change("data.num_workers")
+    assert not may_change("model.d_model") and not may_change("train.label_smoothing")
+    assert may_change("eval.beam_size") and may_change("run.name")  # sections that only say how to evaluate, names
+    assert ignored("run.dir") and ignored("data.dir") and ignored("eval.checkpoint") and ignored("bench.repeats")
+    assert not ignored("train.lr") and not ignored("data.vocab_size") and not ignored("train.gone_key")

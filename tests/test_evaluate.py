@@ -4,20 +4,9 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture(scope="module")
-def trained_tiny(tmp_path_factory):
-    from pathlib import Path
-
-    from data_prep.__main__ import main as prep
-    from summarizer.__main__ import main
-    root = Path(__file__).resolve().parents[1]
-    tmp = tmp_path_factory.mktemp("e2e")
-    args = ["--config", str(root / "configs/tiny.yaml"), f"data.dir={tmp / 'data'}", f"run.dir={tmp / 'run'}",
-            f"run.tensorboard_dir={tmp / 'tb'}", "train.max_steps=40", "train.eval_every=20", "model.d_model=32",
-            "model.ffn_dim=64", "eval.bootstrap_samples=20"]
-    assert prep(args[:4]) == 0
-    assert main(["train", *args]) == 0
-    return tmp, args
+@pytest.fixture
+def trained_tiny(trained_run):
+    return trained_run
 
 
 def test_eval_writes_predictions_and_report(trained_tiny, capsys):
@@ -86,16 +75,30 @@ def test_eval_scores_a_pairs_file_of_raw_text_with_the_runs_normalisation(traine
         assert key in report
 
 
-def test_int8_decoding_runs_and_stays_close_to_float(trained_tiny):
+@pytest.mark.parametrize("host_bf16", [False, True], ids=["fp32-host", "bf16-host"])
+def test_int8_decoding_runs_and_stays_close_to_float(trained_tiny, monkeypatch, host_bf16):
+    """Both kinds of CPU, whatever this one is: where eval.precision=auto picks bf16, an explicit
+    eval.quantize=int8 decodes in fp32 (int8 layers take float32 activations) instead of failing."""
+    from summarizer import runtime
     from summarizer.__main__ import main
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: host_bf16)
     tmp, args = trained_tiny
     reports = {}
     for quantize in ("none", "int8"):
-        out = tmp / f"q_{quantize}"
+        out = tmp / f"q_{quantize}_{host_bf16}"
         assert main(["eval", *args, f"eval.quantize={quantize}", f"eval.out_dir={out}"]) == 0
         reports[quantize] = json.loads((out / "rouge.json").read_text())
-    assert reports["int8"]["settings"]["quantize"] == "int8"
+    assert reports["int8"]["settings"]["quantize"] == "int8" and reports["int8"]["settings"]["precision"] == "fp32"
+    assert reports["none"]["settings"]["precision"] == ("bf16" if host_bf16 else "fp32")
     assert abs(reports["int8"]["rouge1"]["f"] - reports["none"]["rouge1"]["f"]) <= 2.0  # README: the cost at scale
+
+
+def test_int8_beside_16_bit_decoding_is_refused_clearly(trained_tiny, capsys):
+    from summarizer.__main__ import main
+    tmp, args = trained_tiny
+    assert main(["eval", *args, "eval.quantize=int8", "eval.precision=bf16", f"eval.out_dir={tmp / 'q_bad'}"]) == 2
+    err = capsys.readouterr().err
+    assert "eval.quantize=int8" in err and "eval.precision=bf16" in err and "Traceback" not in err
 
 
 def test_summarize_streams_in_chunks_keeping_order_and_empty_lines(trained_tiny, monkeypatch, capsys):
@@ -150,3 +153,19 @@ def test_quantize_auto_is_int8_only_where_decoding_runs_on_the_cpu_in_fp32():
     assert resolve_quantize("auto", rt(cuda, cpu, "fp32")) == "none"  # encoder on a GPU: int8 is CPU only
     assert resolve_quantize("none", rt(cpu, cpu, "fp32")) == "none"
     assert resolve_quantize("int8", rt(cpu, cpu, "fp32")) == "int8"
+
+
+def test_quantize_int8_returns_a_copy_and_leaves_its_argument_untouched():
+    import torch
+
+    from summarizer.config import ModelConfig
+    from summarizer.model import Seq2Seq
+    from summarizer.quantize import quantize_int8
+    model = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32), 40).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    quantized = quantize_int8(model, torch.device("cpu"))
+    assert quantized is not model and model.vocab_projection is None and model.training
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in quantized.modules())
+    assert not any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in model.modules())

@@ -104,6 +104,7 @@ def _conv_kernel_lookups(capacity: int) -> list[str]:
     return [line for line in out.splitlines() if ",convolution," in line and "create:" in line]
 
 
+@pytest.mark.slow
 def test_cpu_kernel_cache_keeps_the_kernels_of_recurring_shapes():
     lookups = _conv_kernel_lookups(1000)
     assert len(lookups) == 40

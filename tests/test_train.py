@@ -128,6 +128,7 @@ def test_sample_summaries_change_no_training_loss(tiny_data, tmp_path):
     assert train_losses(tmp_path / "on") == train_losses(tmp_path / "off")
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses_with_workers(tiny_data, tmp_path):
     extra = ["train.max_steps=15", "data.num_workers=2"]
     train_mod.train(make_cfg(tiny_data, tmp_path / "a", *extra))
@@ -152,6 +153,7 @@ def _wait_for(path: Path, proc, timeout=600):  # a safety net on a busy machine,
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [[], ["data.subword_alpha=0.2", "data.num_workers=2"]])
 def test_resume_after_sigkill_logs_exactly_the_uninterrupted_losses(tiny_data, tmp_path, sampling):
     """With or without sampled segmentations (drawn per seed, epoch and pair, in worker processes)."""
@@ -172,6 +174,7 @@ def test_resume_after_sigkill_logs_exactly_the_uninterrupted_losses(tiny_data, t
         assert all(torch.equal(a, b) for a, b in zip(final[0][key].values(), final[1][key].values(), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, workers", [(signal.SIGTERM, 0), (signal.SIGINT, 2), (signal.SIGTERM, 2)])
 def test_signal_to_the_process_group_checkpoints_then_exits_as_interrupted(tiny_data, tmp_path, sig, workers):
     # Ctrl-C and batch schedulers signal every process of the group, DataLoader workers included. The run
@@ -215,6 +218,7 @@ def test_run_dir_records_config_manifest_and_tensorboard(tiny_data, tmp_path):
     assert (run / "profile.txt").read_text().strip() and list((run / "tb" / "tiny" / "profile").glob("*.json*"))
 
 
+@pytest.mark.slow
 def test_overfit_check_memorises_the_fixture(tiny_data, tmp_path, capsys):
     from summarizer.overfit import overfit_check
     cfg = load_config(ROOT / "configs/overfit.yaml", [f"data.dir={tiny_data}", f"run.dir={tmp_path / 'of'}",

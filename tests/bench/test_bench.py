@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from summarizer.bench import NOT_HERE, markdown, rows, run_bench
+from summarizer.bench.run import NOT_HERE, markdown, rows, run_bench
 from summarizer.config import load_config
 from summarizer.errors import ConfigError
 
@@ -18,6 +18,7 @@ def cfg(tiny_prepared, tmp_path):
                                              f"run.tensorboard_dir={tmp_path / 'tb'}", *TINY])
 
 
+@pytest.mark.slow
 def test_every_timing_row_measures_on_and_off(cfg):
     cfg.bench.rows = [n for n in rows(cfg) if not n.startswith("memory") and n != "compile"]
     cfg.bench.find_batch_tokens = False
@@ -40,7 +41,7 @@ def test_every_timing_row_measures_on_and_off(cfg):
 
 
 def test_training_rows_alternate_their_repeats(cfg, monkeypatch):
-    import summarizer.bench as bench
+    import summarizer.bench.run as bench
     order, real_repeat = [], bench.TrainingProbe.repeat
     monkeypatch.setattr(bench.TrainingProbe, "repeat",
                         lambda self: (order.append(self.cfg.model.activation), real_repeat(self))[1])
@@ -50,6 +51,7 @@ def test_training_rows_alternate_their_repeats(cfg, monkeypatch):
     assert result["on"]["n"] == result["off"]["n"] == 3
 
 
+@pytest.mark.slow
 def test_memory_rows_show_what_the_guides_warn_about(cfg):
     cfg.bench.rows = ["memory_eval_no_grad", "memory_del_outputs", "memory_precision"]
     cfg.bench.find_batch_tokens = False
@@ -64,6 +66,7 @@ def test_memory_rows_show_what_the_guides_warn_about(cfg):
             assert "error" not in r and r["on"]["median"] >= 0 and r["off"]["median"] > 0
 
 
+@pytest.mark.slow
 def test_batch_search_doubles_then_bisects(cfg):
     cfg.bench.rows = ["pin_memory"]  # a row that is only reported as not measured on this machine
     cfg.bench.max_batch_tokens = 1600
@@ -88,4 +91,5 @@ def test_compile_row_measures_or_reports_why_not(cfg):
     cfg.bench.find_batch_tokens = False
     cfg.bench.repeats, cfg.bench.steps = 1, 1
     (row,) = run_bench(cfg)
-    assert ("ratio" in row and row["on"]["median"] > 0) or row["error"]  # a failure to compile is reported, not hidden
+    assert "error" not in row, row["error"]  # torch.compile works on this platform: the row must measure it
+    assert row["on"]["median"] > 0 and row["off"]["median"] > 0 and row["ratio"] > 0

@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from summarizer.compare import CompareError, compare, pair_scores, permutation_means, significance
+from summarizer.harness.compare import CompareError, compare, pair_scores, permutation_means, significance
 from summarizer.scoring import rouge_report
 
-TINY = Path(__file__).parent / "assets" / "tiny"
+TINY = Path(__file__).resolve().parents[1] / "assets" / "tiny"
 TEST_PAIRS = [json.loads(line) for line in (TINY / "test.jsonl").read_text().splitlines()]
 
 

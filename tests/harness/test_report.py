@@ -8,10 +8,10 @@ import torch
 
 from summarizer import checkpoint
 from summarizer.config import load_config, save_config
+from summarizer.harness.report import collect, markdown
 from summarizer.monitor import write_manifest
-from summarizer.report import collect, markdown
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "configs" / "base.yaml"
 
 

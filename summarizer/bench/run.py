@@ -12,8 +12,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from summarizer import bench_memory, runtime
-from summarizer.bench_decoding import decode_row, summarize_row, weights
+from summarizer import runtime
+from summarizer.bench import memory as bench_memory
+from summarizer.bench.decoding import decode_row, summarize_row, weights
 from summarizer.config import Config, from_dict, to_dict
 from summarizer.data import PairDataset, TokenBatchSampler, make_loader, padding_fraction
 from summarizer.decoding import decode_all
@@ -193,12 +194,12 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
         "pad_multiple": (f"lengths padded to multiples of {padded} vs unpadded, in the second epoch", "tokens/s",
                          "higher", lambda: second_epoch_rates(variant(cfg, ("data", "pad_multiple", padded)),
                                                               variant(cfg, ("data", "pad_multiple", 1)))),
-        "decode_greedy": ("greedy decoding: today's decoder (default eval.quantize) vs release 1's (fp32), word rules "
-                          "off on both", "sentences/s",
-                          "higher", lambda: decode_row(cfg, 1, "release1")),
-        "decode_beam4": ("beam-4 decoding: today's decoder (default eval.quantize) vs release 1's (fp32), word rules "
-                         "off on both", "sentences/s",
-                         "higher", lambda: decode_row(cfg, 4, "release1")),
+        "decode_greedy": ("greedy decoding: today's decoder (default eval.quantize) vs that of commit 9415323 (fp32), "
+                          "word rules off on both", "sentences/s",
+                          "higher", lambda: decode_row(cfg, 1, "v1")),
+        "decode_beam4": ("beam-4 decoding: today's decoder (default eval.quantize) vs that of commit 9415323 (fp32), "
+                          "word rules off on both", "sentences/s",
+                         "higher", lambda: decode_row(cfg, 4, "v1")),
         "decode_rules": ("beam 4 with the word rules (known words, no repeats) vs without", "sentences/s", "higher",
                          lambda: decode_row(cfg, 4, "rules")),
         "decode_int8": ("beam 4 with int8 linear layers (eval.quantize=int8) vs float32", "sentences/s", "higher",
@@ -222,8 +223,8 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
                                  ("train", "fused_optimizer", False), fixed_batches=True, item_every_step=True))),
     }
     if weights(cfg).is_file():
-        table["summarize"] = ("summarize, raw text in, summaries out: today (default settings) vs release 1's "
-                              "decoding (fp32)", "lines/s", "higher", lambda: summarize_row(cfg))
+        table["summarize"] = ("summarize, raw text in, summaries out: default settings vs eval.quantize=none "
+                              "(fp32)", "lines/s", "higher", lambda: summarize_row(cfg))
     if best != "fp32":
         table["decode_bf16"] = (f"beam 4 decoding in {best} vs float32", "sentences/s", "higher",
                                 lambda: decode_row(cfg, 4, best))

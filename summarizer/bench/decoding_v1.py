@@ -1,5 +1,6 @@
-"""The decoder as it was before decoding was rewritten (release 1), kept as the baseline `make bench`
-measures the rewrite against, and that tests compare the rewrite's outputs with. Not used to decode.
+"""The decoder of commit 9415323, frozen: the baseline `make bench` measures today's decoder against, and
+that a test compares today's outputs with. Self-contained (it imports nothing from today's decoder, so
+changing that cannot change this); never used to decode.
 
 Its cache replicates the encoder memory and every layer's cross-attention keys and values for each
 beam, copies all of them at every reordering, projects the copy head's keys again at every step, and
@@ -13,9 +14,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from summarizer.decoding import _block_repeats
 from summarizer.model import DecoderOutput, Seq2Seq
 from summarizer.tokenizer import BOS, EOS, PAD
+
+
+def _block_repeats(log_probs: Tensor, prefixes: Tensor, n: int) -> Tensor:
+    """Forbid tokens that would repeat an n-gram already in each prefix. (N, V) scores, (N, L) prefixes."""
+    length = prefixes.shape[1]
+    if n <= 0 or length < n:
+        return log_probs
+    grams = prefixes.unfold(1, n, 1)  # (N, L-n+1, n)
+    tail = prefixes[:, length - n + 1:]  # (N, n-1)
+    hits = (grams[:, :, :-1] == tail[:, None, :]).all(dim=-1)  # (N, L-n+1)
+    rows, cols = hits.nonzero(as_tuple=True)
+    if rows.numel():
+        log_probs[rows, grams[rows, cols, -1]] = float("-inf")
+    return log_probs
 
 
 def _layer_step(layer, x: Tensor, memory_kv, src_mask: Tensor, cache: dict | None, name: str) -> Tensor:

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import yaml
 
-from summarizer import seeds
 from summarizer.config import load_config
 from summarizer.errors import ConfigError
+from summarizer.harness import seeds
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.d_model=32", "model.ffn_dim=64", "model.encoder_layers=1", "model.decoder_layers=1",
          "train.max_steps=4", "train.eval_every=2", "train.ckpt_every=2", "train.log_every=2",
          "train.warmup_steps=2", "train.sample_summaries=0", "data.batch_tokens=400",

@@ -1,5 +1,5 @@
-"""The bench's decoding rows: today's decoder against release 1's (summarizer/decoding_v1.py), int8 and
-16-bit against float32, the word rules' cost, and summarize end to end; variants alternate in one
+"""The bench's decoding rows: today's decoder against commit 9415323's (summarizer/bench/decoding_v1.py),
+int8 and 16-bit against float32, the word rules' cost, and summarize end to end; variants alternate in one
 process, on a trained checkpoint and real test sources, with the ROUGE of what each decoded."""
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from summarizer import checkpoint, decoding_v1, runtime
+from summarizer import checkpoint, runtime
+from summarizer.bench import decoding_v1
 from summarizer.config import Config
 from summarizer.data import pad_sources
 from summarizer.decoding import decode_all
 from summarizer.prepared import lexicon, load_split, open_tokenizer, read_meta, read_pairs
-from summarizer.quantize import quantize_int8, resolve_quantize
+from summarizer.quantize import decoding_precision, quantize_int8, resolve_quantize
 from summarizer.scoring import rouge_report
 from summarizer.session import build
 
@@ -50,8 +51,8 @@ def _sources(cfg: Config) -> tuple[list[list[int]], list[list[str]]]:
     return ids, [p.get("references") or [p["target"]] for p in pairs[:n]]
 
 
-def release1_decode(model, sources: list[list[int]], settings, rt: runtime.Runtime) -> list[list[int]]:
-    """Release 1's decoding loop: 64 sentences a batch, sorted by length, its greedy or beam search."""
+def v1_decode(model, sources: list[list[int]], settings, rt: runtime.Runtime) -> list[list[int]]:
+    """The decoding loop of commit 9415323: 64 sentences a batch, sorted by length, its greedy or beam search."""
     order = np.argsort([len(s) for s in sources], kind="stable")
     hyps: list = [None] * len(sources)
     common = dict(max_len=settings.max_len, min_len=settings.min_len, no_repeat_ngram=settings.no_repeat_ngram)
@@ -84,8 +85,8 @@ def alternate(variants: dict[str, Callable[[], list]], cfg: Config, count: int) 
 
 
 def decode_row(cfg: Config, beam: int, against: str) -> dict:
-    """sentences/s of today's decoder ("on") against `against` ("off"): "release1" (today's default
-    eval.quantize against release 1's float32, word rules off on both, so outputs can be compared),
+    """sentences/s of today's decoder ("on") against `against` ("off"): "v1" (today's default
+    eval.quantize against commit 9415323's float32, word rules off on both, so outputs can be compared),
     "int8" (against float32), "bf16" (decoding precision) or "rules" (the word rules on, against off, at
     the default eval.quantize); with each side's ROUGE-1 on the decoded sentences and whether outputs agree."""
     rt = runtime.setup(cfg, "fp32")
@@ -93,13 +94,13 @@ def decode_row(cfg: Config, beam: int, against: str) -> dict:
     tokenizer, lex = open_tokenizer(cfg.data.dir), lexicon(cfg.data.dir)
     plain = dataclasses.replace(cfg.eval, beam_size=beam, known_words=False, no_repeat_words=False,
                                 truncate_bytes=0)
-    rt_default = runtime.setup(cfg, cfg.eval.precision)  # decoding as `eval` runs it by default
+    rt_default = runtime.setup(cfg, decoding_precision(cfg))  # decoding as `eval` runs it by default
     model, default = _model(cfg, rt), _model(cfg, rt_default, resolve_quantize(cfg.eval.quantize, rt_default))
     ruled = dataclasses.replace(plain, known_words=True, no_repeat_words=True)
     on_settings = ruled if against == "rules" else plain
     variants = {"on": lambda: decode_all(default, sources, on_settings, rt_default, lexicon=lex)}
-    if against == "release1":
-        variants["off"] = lambda: release1_decode(model, sources, plain, rt)
+    if against == "v1":
+        variants["off"] = lambda: v1_decode(model, sources, plain, rt)
     elif against == "int8":
         quantized = _model(cfg, rt, "int8")
         variants = {"on": lambda: decode_all(quantized, sources, plain, rt, lexicon=lex),
@@ -118,21 +119,19 @@ def decode_row(cfg: Config, beam: int, against: str) -> dict:
 
 
 def summarize_row(cfg: Config) -> dict:
-    """lines/s of `summarize` on raw text (normalise, tokenize, decode, detokenize, write), today's
-    defaults against release 1's decoding loop in float32, the default decoding settings otherwise."""
+    """lines/s of `summarize` on raw text (normalise, tokenize, decode, detokenize, write) with the default
+    decoding settings ("on") against the same with eval.quantize=none ("off": float32 linear layers)."""
     from summarizer import summarize
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, checkpoint=str(weights(cfg))))
-    release1 = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, quantize="none"))
-    rt = runtime.setup(cfg, "fp32")
+    unquantized = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, quantize="none"))
     n = cfg.bench.decode_sentences
     split = "test" if "test" in read_meta(cfg.data.dir)["splits"] else "valid"
     text = "".join(p["source"] + "\n" for p in read_pairs(cfg.data.dir, split)[:n]).encode()
 
-    def run(config: Config, decode) -> list:
+    def run(config: Config) -> list:
         out = io.StringIO()
-        summarize.summarize_stream(config, io.BytesIO(text), out, decode=decode, quiet=True)
+        summarize.summarize_stream(config, io.BytesIO(text), out, quiet=True)
         return out.getvalue().splitlines()
 
-    old = lambda model, sources, settings, rt_, **_: release1_decode(model, sources, settings, rt)  # noqa: E731
-    result, _ = alternate({"on": lambda: run(cfg, decode_all), "off": lambda: run(release1, old)}, cfg, n)
+    result, _ = alternate({"on": lambda: run(cfg), "off": lambda: run(unquantized)}, cfg, n)
     return result

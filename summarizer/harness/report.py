@@ -13,16 +13,13 @@ import torch
 import yaml
 
 from summarizer import checkpoint
-from summarizer.config import load_config, to_dict
+from summarizer.config import load_config, rules, to_dict
 from summarizer.errors import ConfigError, UserError
 from summarizer.scoring import ROUGE_TYPES
 
 DEFAULT_ROOT = Path("checkpoints")
-DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "base.yaml"
-# Bookkeeping, not part of the experiment: names and paths of what a run reads and writes, and the
-# sections `train` does not read. Everything else that differs from the recipe is listed.
-IGNORED_KEYS = ("run.name", "run.dir", "run.tensorboard_dir", "data.dir", "eval.out_dir", "eval.checkpoint")
-IGNORED_SECTIONS = ("bench", "overfit")
+DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "configs" / "base.yaml"
+IGNORED_SECTIONS = ("bench", "overfit")  # sections `train` does not read
 COLUMNS = ("run", "differs from recipe", "steps", "minutes", "precision", "device", "commit", "eval",
            "ROUGE-1", "ROUGE-2", "ROUGE-L", "sentences/s")
 
@@ -45,6 +42,18 @@ def _show(value) -> str:
     return str(value)
 
 
+def ignored(dotted: str) -> bool:
+    """Bookkeeping, not part of the experiment: a section `train` does not read, or a key marked as a name or
+    path of what a run reads and writes (config.key's `bookkeeping` rule). Everything else is listed."""
+    section, name = dotted.split(".", 1)
+    if section in IGNORED_SECTIONS:
+        return True
+    try:
+        return rules(section, name).get("bookkeeping", False)
+    except KeyError:  # a key this code no longer has: list it
+        return False
+
+
 def config_diff(config_path: Path, recipe: dict) -> list[str]:
     """`key=value` for every setting of the run's config.yaml that differs from the recipe (flattened
     `load_config` dicts); a config this code no longer reads is compared as raw YAML."""
@@ -59,7 +68,7 @@ def config_diff(config_path: Path, recipe: dict) -> list[str]:
         run = _flat(raw if isinstance(raw, dict) else {})
     diff = []
     for key in sorted(set(run) | set(recipe)):
-        if key in IGNORED_KEYS or key.split(".")[0] in IGNORED_SECTIONS or run.get(key) == recipe.get(key):
+        if ignored(key) or run.get(key) == recipe.get(key):
             continue
         diff.append(f"{key}={_show(run[key])}" if key in run else f"{key}=(absent)")
     return diff

@@ -1,34 +1,21 @@
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from summarizer import checkpoint
-from summarizer.average import average_checkpoints, checkpoints_by_step
 from summarizer.config import load_config
 from summarizer.errors import CheckpointError
-
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["model.d_model=32", "model.ffn_dim=64", "model.encoder_layers=1", "model.decoder_layers=1",
-         "train.max_steps=6", "train.ckpt_every=2", "train.keep_last=3", "train.eval_every=3",
-         "train.log_every=3", "train.warmup_steps=2", "train.sample_summaries=0", "data.batch_tokens=400",
-         "eval.beam_size=1", "eval.limit=8", "eval.bootstrap_samples=10"]
+from summarizer.harness.average import average_checkpoints, checkpoints_by_step
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tiny run with step checkpoints 2, 4 and 6 kept."""
-    from data_prep.__main__ import main as prep
-    from summarizer.__main__ import main
-    tmp = tmp_path_factory.mktemp("average")
-    args = ["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tmp / 'data'}", f"run.dir={tmp / 'run'}",
-            f"run.tensorboard_dir={tmp / 'tb'}", *SMALL]
-    assert prep(args[:4]) == 0
-    assert main(["train", *args]) == 0
-    assert [p.name for p in checkpoints_by_step(tmp / "run")] == [f"ckpt_{s:08d}.pt" for s in (2, 4, 6)]
-    return tmp, args
+@pytest.fixture
+def trained(trained_run):
+    """The session's tiny run (step checkpoints 20, 30 and 40 kept), evaluated on 8 pairs, greedy."""
+    tmp, args = trained_run
+    assert [p.name for p in checkpoints_by_step(tmp / "run")] == [f"ckpt_{s:08d}.pt" for s in (20, 30, 40)]
+    return tmp, [*args, "eval.beam_size=1", "eval.limit=8"]
 
 
 def test_average_of_two_equals_the_hand_mean(trained, capsys):
@@ -38,15 +25,15 @@ def test_average_of_two_equals_the_hand_mean(trained, capsys):
     out = tmp / "run" / "averaged_last2.pt"
     assert f"eval.checkpoint={out}" in capsys.readouterr().err
     averaged = checkpoint.load(out)
-    a, b = (checkpoint.load(checkpoint.step_path(tmp / "run", s)) for s in (4, 6))
-    assert averaged["step"] == 6 and [x["step"] for x in averaged["averaged_from"]] == [4, 6]
+    a, b = (checkpoint.load(checkpoint.step_path(tmp / "run", s)) for s in (30, 40))
+    assert averaged["step"] == 40 and [x["step"] for x in averaged["averaged_from"]] == [30, 40]
     assert averaged["config"] == b["config"] and averaged["data_meta"] == b["data_meta"]
     assert "optimizer" not in averaged
     assert set(averaged["model"]) == set(a["model"])
     for name, tensor in averaged["model"].items():
         hand = ((a["model"][name].double() + b["model"][name].double()) / 2).to(b["model"][name].dtype)
         assert tensor.dtype == b["model"][name].dtype and torch.equal(tensor, hand), name
-    assert any(not torch.equal(averaged["model"][k], b["model"][k]) for k in b["model"])  # steps 4 and 6 differ
+    assert any(not torch.equal(averaged["model"][k], b["model"][k]) for k in b["model"])  # steps 30 and 40 differ
 
 
 def test_eval_accepts_the_averaged_checkpoint(trained):
@@ -56,15 +43,15 @@ def test_eval_accepts_the_averaged_checkpoint(trained):
     assert main(["average", *args, "--last", "3"]) == 0
     assert main(["eval", *args, f"eval.checkpoint={out}", f"eval.out_dir={tmp / 'eval'}"]) == 0
     report = json.loads((tmp / "eval" / "rouge.json").read_text())
-    assert report["settings"]["checkpoint"] == {"path": str(out), "step": 6}
+    assert report["settings"]["checkpoint"] == {"path": str(out), "step": 40}
     assert len((tmp / "eval" / "predictions.txt").read_text().splitlines()) == 8
 
 
 def test_one_checkpoint_averages_to_itself(trained):
     tmp, args = trained
     out, steps = average_checkpoints(load_config(args[1], args[2:]), 1)
-    assert steps == [6] and out.name == "averaged_last1.pt"
-    mine, newest = checkpoint.load(out)["model"], checkpoint.load(checkpoint.step_path(tmp / "run", 6))["model"]
+    assert steps == [40] and out.name == "averaged_last1.pt"
+    mine, newest = checkpoint.load(out)["model"], checkpoint.load(checkpoint.step_path(tmp / "run", 40))["model"]
     assert all(torch.equal(mine[k], newest[k]) for k in newest)
 
 
@@ -85,14 +72,14 @@ def test_too_few_or_bad_n_is_refused_with_the_count(trained, capsys):
     ("data_meta", "spm_sha256", "0" * 64, "tokenizer sha256")])
 def test_mixed_models_or_tokenizers_are_refused_naming_the_files(trained, tmp_path, section, key, value, needle):
     tmp, args = trained
-    for step in (4, 6):
+    for step in (30, 40):
         shutil.copy(checkpoint.step_path(tmp / "run", step), checkpoint.step_path(tmp_path, step))
-    odd = checkpoint.step_path(tmp_path, 6)
+    odd = checkpoint.step_path(tmp_path, 40)
     state = checkpoint.load(odd)
     state[section][key] = {**state[section][key], **value} if isinstance(value, dict) else value
     checkpoint.save({k: v for k, v in state.items() if k != "format_version"}, odd)
     cfg = load_config(args[1], [*args[2:], f"run.dir={tmp_path}"])
     with pytest.raises(CheckpointError, match=needle) as info:
         average_checkpoints(cfg, 2)
-    assert odd.name in str(info.value) and checkpoint.step_path(tmp_path, 4).name in str(info.value)
+    assert odd.name in str(info.value) and checkpoint.step_path(tmp_path, 30).name in str(info.value)
     assert not (tmp_path / "averaged_last2.pt").exists()
