@@ -67,7 +67,7 @@ tensorboard: install
 clean:
 	rm -rf runs checkpoints/*/ data/tiny data/overfit .pytest_cache
 
-# The research harness (README, "Comparing against this baseline").
+# The research harness (docs/comparing.md).
 compare: install
 	@test -n "$(A)" -a -n "$(B)" -a -n "$(REF)" || { echo "error: usage: make compare A=PRED_A B=PRED_B REF=PAIRS_OR_SPLIT [OUT=DIR]" >&2; exit 2; }
 	$(PY) -m summarizer compare $(A) $(B) --ref $(REF) --out $(or $(OUT),.)

@@ -153,8 +153,8 @@ class EvalConfig:
     precision: str = key("auto", choices=PRECISIONS)  # decoding: auto = bf16 where fast, else fp32 on CPU
     quantize: str = key("auto", choices=("auto", "none", "int8"))  # auto: int8 where decoding runs on CPU in fp32
     max_len: int = key(30, above=0)  # target tokens
-    min_len: int = key(8, low=0)  # tokens; headlines near the references' length: README, Results
-    length_penalty: float = 2.0  # measured on test_dev and DUC-2003: README, Results
+    min_len: int = key(8, low=0)  # tokens; headlines near the references' length: docs/results.md
+    length_penalty: float = 2.0  # measured on test_dev and DUC-2003: docs/results.md
     no_repeat_ngram: int = key(3, low=0)  # 0 = off
     known_words: bool = True  # every word: a training or source word (masked numbers, <unk>: source only)
     no_repeat_words: bool = True  # no word twice in a summary

@@ -153,7 +153,7 @@ class TokenBatchSampler(Sampler[list[int]]):
             return self._plan[1]
         # Sort by target length, then source length. Targets take few distinct lengths, so each run
         # of equal targets still sorts its sources tightly; and a padded target position costs far
-        # more than a source one (decoder layers plus the vocabulary projection and loss); README,
+        # more than a source one (decoder layers plus the vocabulary projection and loss); docs/results.md,
         # "pools sorted by target then source length".
         by_length = lambda idx: idx[np.lexsort((self.src_lens[idx], self.tgt_lens[idx]))]  # noqa: E731
         if self.shuffle:

@@ -4,7 +4,7 @@ Every linear layer, and the output projection onto the vocabulary (tied to the e
 its own int8 copy here), computes with int8 weights and activations quantized on the fly
 (torch.ao.quantization.quantize_dynamic, fbgemm/oneDNN kernels); embeddings, norms, attention
 scores and the copy mixture stay in float32. Weights shrink 4x and the matmuls run faster; the
-cost in ROUGE is measured by `make bench` and on both dev sets with three seeds (README, Results):
+cost in ROUGE is measured by `make bench` and on both dev sets with three seeds (docs/results.md):
 within the seeds' noise, so `auto` (the default) decodes in int8 wherever the CPU would decode in fp32.
 """
 from __future__ import annotations

@@ -148,7 +148,7 @@ def set_cpu_kernel_cache(capacity: int) -> None:
     oneDNN compiles a matmul kernel for every distinct shape, which at these sizes costs more than
     the matmul itself. A length-bucketed epoch has hundreds of batch shapes with dozens of kernels
     each; a cache smaller than that evicts every kernel before its shape returns, and every step
-    recompiles (README, bench rows "kernel_cache" and "pad_multiple"). oneDNN reads the capacity
+    recompiles (docs/results.md, bench rows "kernel_cache" and "pad_multiple"). oneDNN reads the capacity
     once, at its first kernel: this must run before the process's first matmul (setup does, first).
     """
     if capacity > 0:
@@ -160,7 +160,7 @@ def setup(cfg: Config, precision: str | None = None) -> Runtime:
     e.g. eval.precision for decoding, else train.precision)."""
     # Denormal floats (below 1.2e-38) take a slow microcode path on x86: as the model grows
     # confident, exp() in the vocabulary softmax produces them by the million and CPU steps slow
-    # down (README, "denormals flushed"). FTZ/DAZ treats them as zero. The flag is per thread and OpenMP's
+    # down (docs/practices.md, "denormals flushed"). FTZ/DAZ treats them as zero. The flag is per thread and OpenMP's
     # pool copies it when created, so this must run before the first parallel op: first here.
     torch.set_flush_denormal(cfg.train.flush_denormal)
     set_cpu_kernel_cache(cfg.train.cpu_kernel_cache)

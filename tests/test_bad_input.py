@@ -1,5 +1,5 @@
 """What a user can get wrong: each mistake ends in one clear message (exit 2, no traceback) or the documented
-behaviour, and no file the user owns is ever changed. One test per row of the bad-input table in the README."""
+behaviour, and no file the user owns is ever changed. One test per row of the README's "Where things go wrong"."""
 import gzip
 import io
 import json

@@ -90,7 +90,7 @@ def test_int8_decoding_runs_and_stays_close_to_float(trained_tiny, monkeypatch, 
         reports[quantize] = json.loads((out / "rouge.json").read_text())
     assert reports["int8"]["settings"]["quantize"] == "int8" and reports["int8"]["settings"]["precision"] == "fp32"
     assert reports["none"]["settings"]["precision"] == ("bf16" if host_bf16 else "fp32")
-    assert abs(reports["int8"]["rouge1"]["f"] - reports["none"]["rouge1"]["f"]) <= 2.0  # README: the cost at scale
+    assert abs(reports["int8"]["rouge1"]["f"] - reports["none"]["rouge1"]["f"]) <= 2.0  # cost at scale: docs/results.md
 
 
 def test_int8_beside_16_bit_decoding_is_refused_clearly(trained_tiny, capsys):

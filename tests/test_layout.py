@@ -103,3 +103,20 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
                      "placement.py imports summarizer.bench", "evaluate.py:", "calls greedy instead of decode_all",
                      "losses.py:", "builds Seq2Seq", "model.py:", "uses cuda"):
         assert expected in found, (expected, found)
+
+
+def test_every_code_path_the_docs_name_exists():
+    """README.md and docs/*.md name modules by path; each must exist, so the map cannot drift from the code."""
+    import re
+    root = PACKAGE.parent
+    named = {m for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+             for m in re.findall(r"\b((?:summarizer|data_prep|tests)/[\w/]*\.py)\b", doc.read_text())}
+    assert named, "the docs name no module: the code map is missing"
+    assert sorted(p for p in named if not (root / p).is_file()) == []
+
+
+def test_the_readme_code_map_names_every_module():
+    root = PACKAGE.parent
+    readme = (root / "README.md").read_text()
+    modules_ = [p.relative_to(root).as_posix() for p in sorted(PACKAGE.rglob("*.py")) if p.stat().st_size]  # not empty
+    assert [m for m in modules_ if f"`{m}`" not in readme] == []
