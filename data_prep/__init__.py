@@ -50,9 +50,9 @@ def worker_count(rows: int, num_proc: int) -> int | None:
     return procs if procs > 1 else None
 
 
-def _load_and_clean(cfg: DataConfig, data_dir: Path) -> tuple[dict, dict, dict, int]:
-    """(cleaned splits, raw pair counts, drops per split and rule, pairs held out of train as valid)."""
-    raw, ignored = load_splits(cfg, data_dir / CACHE_DIR)
+def _load_and_clean(cfg: DataConfig, data_dir: Path) -> tuple[dict, dict, dict, int, list]:
+    """(cleaned splits, raw pair counts, drops per split and rule, pairs held out of train as valid, inputs read)."""
+    raw, ignored, inputs = load_splits(cfg, data_dir / CACHE_DIR)
     if ignored:
         print(f"note: source split(s) {', '.join(ignored)} are not mapped to train/valid/test and are ignored; "
               f"to use one, give data.splits whole, e.g. data.splits='{{train: [train], test: [{ignored[0]}]}}'",
@@ -76,7 +76,7 @@ def _load_and_clean(cfg: DataConfig, data_dir: Path) -> tuple[dict, dict, dict, 
     if held:  # the held-out valid split starts clean: raw == pairs, nothing dropped
         raw_pairs["valid"], dropped["valid"] = held, dict.fromkeys(dropped["train"], 0)
     ordered = {split: cleaned[split] for split in PRODUCT_SPLITS if split in cleaned}
-    return ordered, raw_pairs, dropped, held
+    return ordered, raw_pairs, dropped, held, inputs
 
 
 def _clear_outputs(data_dir: Path) -> None:
@@ -98,7 +98,7 @@ def prepare(cfg: DataConfig) -> dict | None:
         print(f"{data_dir} is up to date (same inputs and data settings): nothing to do", flush=True)
         return None
     claim_dir(data_dir, "data", "data.dir", legacy=(META_FILE,))
-    cleaned, raw_pairs, dropped, held = _load_and_clean(cfg, data_dir)
+    cleaned, raw_pairs, dropped, held, inputs = _load_and_clean(cfg, data_dir)
     spm_model, spm_info = train_spm(cleaned["train"], cfg)
     _clear_outputs(data_dir)  # only now: every failure a user can cause has happened by here
     atomic_write(data_dir / SPM_FILE, spm_model)
@@ -115,7 +115,8 @@ def prepare(cfg: DataConfig) -> dict | None:
         "spm_model": SPM_FILE, "spm_sha256": spm_info["sha256"], "dtype": dtype.name,
         "normalization": {"lowercase": cfg.lowercase, "mask_digits": cfg.mask_digits},
         "source": cfg.source, "splits": stats, "raw_pairs": raw_pairs, "dropped": dropped,
-        "held_out_as_valid": held, "fingerprint": fp, "seconds": round(time.perf_counter() - start, 2),
+        "held_out_as_valid": held, "inputs": inputs, "fingerprint": fp,
+        "seconds": round(time.perf_counter() - start, 2),
     }
     # Written last: its presence (with this fingerprint) is what marks the dir as prepared.
     atomic_write(data_dir / META_FILE, json.dumps(meta, indent=2) + "\n")

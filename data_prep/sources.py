@@ -6,6 +6,7 @@ from pathlib import Path
 import datasets
 from datasets import Dataset, Features, List, Value
 
+from data_prep.mix import FileSpec, apply_cleaning, apply_filter, parse_entry, sha256
 from summarizer.config import DataConfig
 from summarizer.errors import ConfigError, DataError
 from summarizer.pairs import numbered_lines, parse_record
@@ -13,7 +14,7 @@ from summarizer.pairs import numbered_lines, parse_record
 PRODUCT_SPLITS = ("train", "valid", "test")
 # Every reader returns exactly these columns, so splits from different files concatenate.
 FEATURES = Features({"source": Value("string"), "target": Value("string"),
-                     "references": List(Value("string"))})
+                     "references": List(Value("string")), "tag": Value("string")})
 _SUFFIXES = (".jsonl.gz", ".jsonl", ".csv", ".article.txt", ".title.txt")
 
 
@@ -29,7 +30,7 @@ def _split_name(path: Path) -> tuple[str, str] | None:
     return None
 
 
-def _scan_directory(root: Path) -> dict[str, list[Path]]:
+def _scan_directory(root: Path) -> dict[str, list[FileSpec]]:
     """Source split name -> its files (one data file, or a Rush article/title pair)."""
     found: dict[str, dict[str, Path]] = {}
     for path in sorted(root.iterdir()):
@@ -48,32 +49,33 @@ def _scan_directory(root: Path) -> dict[str, list[Path]]:
             names = [p.name for p in by_suffix.values()] + [p.name for p in rush.values()]
             raise DataError(f"split '{name}' in {root} is given by several files ({', '.join(names)}): "
                             f"keep one format per split name")
-        splits[name] = [rush[".article.txt"]] if rush else list(by_suffix.values())
+        splits[name] = [FileSpec(p) for p in ([rush[".article.txt"]] if rush else by_suffix.values())]
     if not splits:
         raise DataError(f"{root} holds no split files: expected NAME.jsonl, NAME.jsonl.gz, NAME.csv, "
                         f"or NAME.article.txt + NAME.title.txt")
     return splits
 
 
-def _mapping_files(source: dict) -> dict[str, list[Path]]:
+def _mapping_files(source: dict) -> dict[str, list[FileSpec]]:
     splits = {}
-    for split, files in source.items():
+    for split, entries in source.items():
         if split not in PRODUCT_SPLITS:
             raise ConfigError(f"data.source maps unknown split '{split}': use {', '.join(PRODUCT_SPLITS)}")
-        files = [files] if isinstance(files, str) else files
-        paths = [Path(f) for f in files]
-        for path in paths:
+        entries = [entries] if isinstance(entries, (str, dict)) else entries
+        specs = [parse_entry(e, split) for e in entries]
+        for spec in specs:
+            path = spec.path
             if not path.is_file():
                 raise DataError(f"data.source lists {path} for split '{split}', but it does not exist: fix the path")
             if _split_name(path) is None or path.name.endswith(".title.txt"):
                 raise DataError(f"{path} has an unknown format: list .jsonl, .jsonl.gz, .csv, or the "
                                 f"NAME.article.txt of a Rush pair (its NAME.title.txt is read alongside)")
-        splits[split] = paths
+        splits[split] = specs
     return splits
 
 
-def local_files(source) -> dict[str, list[Path]]:
-    """Split name -> input files for a directory or a mapping source (not the hub)."""
+def local_files(source) -> dict[str, list[FileSpec]]:
+    """Split name -> input files (and how to read each) for a directory or a mapping source (not the hub)."""
     if isinstance(source, dict):
         return _mapping_files(source)
     if not isinstance(source, str) or not source:
@@ -154,6 +156,7 @@ def _standardize(ds: Dataset, cfg: DataConfig, origin: str) -> Dataset:
     ds = ds.rename_columns({old: new for old, new in names if old != new})
     if not has_refs:
         ds = ds.add_column("references", [[]] * len(ds))
+    ds = ds.add_column("tag", [""] * len(ds))
     try:
         return ds.cast(FEATURES)
     except Exception as exc:  # e.g. references given as a string, or a nested object as the source
@@ -176,16 +179,29 @@ def _load_rush(article: Path, cache_dir: Path) -> Dataset:
                         f"one must pair with line i of the other; fix the files (nothing was truncated)")
     ds = datasets.concatenate_datasets([texts[0].rename_column("text", "source"),
                                         texts[1].rename_column("text", "target")], axis=1)
-    return ds.add_column("references", [[]] * len(ds)).cast(FEATURES)
+    ds = ds.add_column("references", [[]] * len(ds))
+    return ds.add_column("tag", [""] * len(ds)).cast(FEATURES)
 
 
-def load_file(path: Path, cfg: DataConfig, cache_dir: Path) -> Dataset:
+def load_file(spec: FileSpec, cfg: DataConfig, cache_dir: Path) -> tuple[Dataset, dict]:
+    """A file's pairs as read by its spec (filter, cleaning rules, tag), and what reading did: its sha256,
+    rows read, rows the filter kept, pairs each cleaning rule changed."""
+    path = spec.path
     if not path.is_file():
         raise DataError(f"{path} does not exist: fix data.source")
     if path.name.endswith(".article.txt"):
-        return _load_rush(path, cache_dir)
-    builder = "csv" if path.name.endswith(".csv") else "json"
-    return _standardize(_load_builder(builder, path, cache_dir), cfg, str(path))
+        ds = _load_rush(path, cache_dir)
+        rows = kept = len(ds)
+    else:
+        builder = "csv" if path.name.endswith(".csv") else "json"
+        raw = _load_builder(builder, path, cache_dir)
+        filtered = apply_filter(raw, spec)
+        rows, kept = len(raw), len(filtered)
+        ds = _standardize(filtered, cfg, str(path))
+    ds, changed = apply_cleaning(ds, spec) if spec.clean or spec.tag else (ds, {})
+    info = {"path": str(path), "sha256": sha256(path), "tag": spec.tag, "rows": rows, "kept_by_filter": kept,
+            "cleaned": changed}
+    return ds, info
 
 
 def load_hub(source: str, cache_dir: Path) -> datasets.DatasetDict:
@@ -209,26 +225,35 @@ def load_hub(source: str, cache_dir: Path) -> datasets.DatasetDict:
                         f"data.source at a local directory") from None
 
 
-def load_splits(cfg: DataConfig, cache_dir: Path) -> tuple[dict[str, Dataset], list[str]]:
-    """Product split -> concatenated standardized Dataset, and the source split names left unmapped."""
+def load_splits(cfg: DataConfig, cache_dir: Path) -> tuple[dict[str, Dataset], list[str], list[dict]]:
+    """Product split -> concatenated standardized Dataset, the source split names left unmapped, and one
+    record per input file read (`load_file`'s info, with its split)."""
+    inputs: list[dict] = []
     if is_hub(cfg.source):
         hub = load_hub(cfg.source, cache_dir)
         available = list(hub)
 
         def read(name: str) -> Dataset:
-            return _standardize(hub[name], cfg, f"hub dataset {cfg.source} split {name}")
+            ds = _standardize(hub[name], cfg, f"hub dataset {cfg.source} split {name}")
+            inputs.append({"path": f"{cfg.source}:{name}", "rows": len(ds)})
+            return ds
     else:
         files = local_files(cfg.source)
         available = list(files)
 
         def read(name: str) -> Dataset:
-            return datasets.concatenate_datasets([load_file(p, cfg, cache_dir) for p in files[name]])
+            parts = []
+            for spec in files[name]:
+                ds, info = load_file(spec, cfg, cache_dir)
+                parts.append(ds)
+                inputs.append({"split": name, **info})
+            return datasets.concatenate_datasets(parts)
     mapping = split_mapping(cfg, available)
     used = [name for names in mapping.values() for name in names]
     raw = {name: read(name) for name in dict.fromkeys(used)}  # only mapped splits are read
     splits = {product: datasets.concatenate_datasets([raw[name] for name in names])
               for product, names in mapping.items()}
-    return splits, sorted(set(available) - set(used))
+    return splits, sorted(set(available) - set(used)), inputs
 
 
 def input_files(cfg: DataConfig) -> list[Path]:
@@ -237,6 +262,6 @@ def input_files(cfg: DataConfig) -> list[Path]:
     mapping = split_mapping(cfg, list(files))
     paths = []
     for names in mapping.values():
-        for path in (p for name in names for p in files[name]):
+        for path in (spec.path for name in names for spec in files[name]):
             paths += [path, _rush_title(path)] if path.name.endswith(".article.txt") else [path]
     return paths

@@ -60,9 +60,11 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 
 def _write_pairs(path: Path, pairs: Dataset) -> None:
     with atomic_open(path, "w") as f:
-        for batch in pairs.select_columns(["source", "target", "references"]).iter(batch_size=10_000):
-            for src, tgt, refs in zip(batch["source"], batch["target"], batch["references"], strict=True):
-                record = {"source": src, "target": tgt, **({"references": refs} if refs else {})}
+        for batch in pairs.select_columns(["source", "target", "references", "tag"]).iter(batch_size=10_000):
+            for src, tgt, refs, tag in zip(batch["source"], batch["target"], batch["references"], batch["tag"],
+                                           strict=True):
+                record = {"source": src, "target": tgt, **({"references": refs} if refs else {}),
+                          **({"tag": tag} if tag else {})}
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
@@ -71,6 +73,10 @@ def write_split(data_dir: Path, split: str, pairs: Dataset, encoded: Dataset, dt
     files = split_files(split)
     table = encoded.with_format("arrow")[:]
     stats = {"pairs": len(pairs)}
+    tags = pairs.unique("tag")
+    if tags != [""]:  # several sources, or a tagged one: the split's pairs per source tag
+        counts = pairs.with_format("numpy", columns=["tag"])[:]["tag"]
+        stats["pairs_by_tag"] = {tag or "(untagged)": int((counts == tag).sum()) for tag in sorted(tags)}
     for side, column in (("src", "src_ids"), ("tgt", "tgt_ids")):
         values, offsets = _flat(table.column(column), dtype)
         _save_npy(data_dir / files[side], values)

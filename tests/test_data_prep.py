@@ -1,5 +1,6 @@
 """Tests for data_prep and summarizer/prepared.py: readers, splits, cleaning, arrays, meta, idempotency, errors."""
 import hashlib
+import json
 
 import datasets
 import numpy as np
@@ -19,7 +20,7 @@ from summarizer.prepared import load_split, read_meta, read_pairs, split_files
 
 def _load(tmp_path, *overrides):
     cfg = data_config(tmp_path / "prep", *overrides)
-    return load_splits(cfg, tmp_path / "cache")
+    return load_splits(cfg, tmp_path / "cache")[:2]
 
 
 def _lines(path):
@@ -85,7 +86,7 @@ def test_yaml_mapping_source(tmp_path):
         "train": [str(ASSETS / "jsonl/train.jsonl"), str(ASSETS / "rush/train.article.txt")],
         "test": [str(ASSETS / "jsonl/test_dev.jsonl.gz")]}}}))
     cfg = load_config(config, [f"data.dir={tmp_path / 'prep'}"]).data
-    splits, ignored = load_splits(cfg, tmp_path / "cache")
+    splits, ignored, _ = load_splits(cfg, tmp_path / "cache")
     assert set(splits) == {"train", "test"} and ignored == []
     assert len(splits["train"]) == len(_lines(ASSETS / "jsonl/train.jsonl")) + 6
     assert len(splits["test"]) == 3
@@ -106,7 +107,7 @@ def test_unknown_product_split_is_a_config_error(tmp_path):
 def test_cleaning_counts_every_rule(tmp_path):
     cfg = data_config(tmp_path, f"data.source={ASSETS / 'jsonl'}", "data.lowercase=true",
                       "data.mask_digits=true", "data.max_source_words=30", "data.max_target_words=10")
-    raw, _ = load_splits(cfg, tmp_path / "cache")
+    raw, _, _ = load_splits(cfg, tmp_path / "cache")
     cleaned, dropped = clean_split(raw["train"], cfg, "train", num_proc=None)
     assert dropped == {"bad_chars": 1, "empty": 1, "source_too_long": 1, "target_too_long": 1, "duplicate": 1}
     assert tuple(dropped) == RULES and len(cleaned) + sum(dropped.values()) == len(raw["train"])
@@ -127,7 +128,7 @@ def test_undecodable_bytes_drop_only_their_pair(tmp_path):
 
 def test_valid_holdout_is_deterministic_and_order_independent(tmp_path):
     cfg = data_config(tmp_path, f"data.source={ASSETS / 'tiny'}", "data.splits={train: [train]}")
-    raw, _ = load_splits(cfg, tmp_path / "cache")
+    raw, _, _ = load_splits(cfg, tmp_path / "cache")
     cleaned, _ = clean_split(raw["train"], cfg, "train", num_proc=None)
     train, valid = hold_out(cleaned, 25)
     train2, valid2 = hold_out(cleaned.shuffle(seed=7).flatten_indices(), 25)
@@ -280,3 +281,72 @@ def test_script_only_hub_repo_falls_back_to_the_parquet_conversion(tmp_path, mon
     meta = prepare(data_config(tmp_path / "prep", "data.source=hf:Harvard/gigaword",
                                "data.source_field=document", "data.target_field=summary"))
     assert calls == [None, "refs/convert/parquet"] and meta["splits"]["train"]["pairs"] == 1
+
+
+def _write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_several_sources_with_their_own_reader_settings_in_one_prepared_dir(tmp_path):
+    """A mapping entry may filter on a record's field, run named cleaning rules and tag its pairs; meta.json
+    records each input's sha256, rows, what the filter kept and what each rule changed, and pairs per tag."""
+    import hashlib
+
+    from data_prep import prepare
+    wire = _write_jsonl(tmp_path / "wire.jsonl", [
+        {"source": "Standard Oil said it will form a unit .", "target": "STANDARD OIL <SRD> TO FORM UNIT",
+         "prose": True},
+        {"source": "Shr 18 cts vs 31 cts Net 1.2 mln", "target": "ACME <ACM> 4TH QTR NET", "prose": False},
+        {"source": "Texas Commerce said it filed a plan .", "target": "TEXAS COMMERCE <TCB> FILES PLAN",
+         "prose": True}])
+    ag = _write_jsonl(tmp_path / "ag.jsonl", [
+        {"source": "AP - A company won a grant to study peptides .", "target": "Company Wins Grant (AP)"},
+        {"source": "SPACE.com - TORONTO, Canada -- A team set a launch date .",
+         "target": "Team Sets Date (SPACE.com)"}])
+    plain = _write_jsonl(tmp_path / "plain.jsonl",
+                         [{"source": "the mayor opened a park .", "target": "mayor opens park"}])
+    source = {"train": [str(plain),
+                        {"path": str(wire), "filter": {"prose": True}, "clean": ["ticker_tags"], "tag": "wire"},
+                        {"path": str(ag), "clean": ["agency_prefix", "agency_suffix"], "tag": "ag"}],
+              "test": [str(plain)]}
+    cfg = data_config(tmp_path / "out", "data.splits={train: [train], test: [test]}", "data.vocab_size=60")
+    cfg.source = source
+    meta = prepare(cfg)
+    pairs = [json.loads(line) for line in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
+    assert [p["target"] for p in pairs] == ["mayor opens park", "STANDARD OIL TO FORM UNIT",
+                                            "TEXAS COMMERCE FILES PLAN", "Company Wins Grant", "Team Sets Date"]
+    assert pairs[3]["source"] == "A company won a grant to study peptides ."
+    assert pairs[4]["source"] == "A team set a launch date ."
+    assert [p.get("tag") for p in pairs] == [None, "wire", "wire", "ag", "ag"]
+    assert meta["splits"]["train"]["pairs_by_tag"] == {"(untagged)": 1, "ag": 2, "wire": 2}
+    assert "pairs_by_tag" not in meta["splits"]["test"]
+    by_path = {(i["split"], i["path"].rsplit("/", 1)[-1]): i for i in meta["inputs"]}
+    assert by_path[("train", "wire.jsonl")]["rows"] == 3 and by_path[("train", "wire.jsonl")]["kept_by_filter"] == 2
+    assert by_path[("train", "wire.jsonl")]["cleaned"] == {"ticker_tags": 2}
+    assert by_path[("train", "ag.jsonl")]["cleaned"] == {"agency_prefix": 2, "agency_suffix": 2}
+    assert by_path[("train", "ag.jsonl")]["sha256"] == hashlib.sha256(ag.read_bytes()).hexdigest()
+    assert prepare(cfg) is None  # nothing changed: nothing to do
+    cfg.source = {**source, "train": source["train"][:2]}  # reader settings are part of what prep depends on
+    assert prepare(cfg)["splits"]["train"]["pairs"] == 3
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"path": "X", "clean": ["tickers"]}, "unknown cleaning rule"),
+    ({"path": "X", "weight": 2}, "unknown entry key"),
+    ({"clean": ["ticker_tags"]}, "mapping with 'path'"),
+    ({"path": "X", "filter": ["prose"]}, "'filter' of X must map"),
+    ({"path": "X", "tag": "a b"}, "must be a plain name")])
+def test_bad_source_entries_are_refused_naming_the_fix(entry, message):
+    from data_prep.mix import parse_entry
+    with pytest.raises(ConfigError, match=message):
+        parse_entry(entry, "train")
+
+
+def test_a_filter_on_a_field_the_file_lacks_is_refused(tmp_path):
+    from data_prep import prepare
+    plain = _write_jsonl(tmp_path / "plain.jsonl", [{"source": "a b c", "target": "a b"}])
+    cfg = data_config(tmp_path / "out", "data.splits={train: [train]}")
+    cfg.source = {"train": [{"path": str(plain), "filter": {"prose": True}}]}
+    with pytest.raises(DataError, match="no field 'prose' to filter on"):
+        prepare(cfg)
