@@ -19,7 +19,7 @@ def test_eval_writes_predictions_and_report(trained_tiny, capsys):
     for kind in ("rouge1", "rouge2", "rougeL"):
         assert set(report[kind]) == {"f", "p", "r", "f_ci"} and 0 <= report[kind]["f"] <= 100
     assert set(report["lead"]) == {"lead-8", "lead-10", "lead-12"}
-    assert report["settings"]["beam_size"] == 2 and report["sentences_per_s"] > 0
+    assert report["settings"]["beam_size"] == 2 and report["sentences_per_s"] > 0 and report["startup_s"] > 0
 
 
 def test_summarize_reads_stdin_and_writes_one_line_each(trained_tiny, monkeypatch, capsys):
