@@ -45,12 +45,8 @@ def run(args: argparse.Namespace) -> int:
         return importlib.import_module(HARNESS[args.command][0]).cli(args)
     cfg = load_config(args.config, args.overrides)
     if args.command == "train":
-        from summarizer.runtime import teardown
         from summarizer.train import train
-        try:
-            summary = train(cfg)
-        finally:
-            teardown()  # under torchrun: leave the process group cleanly, whatever happened
+        summary = train(cfg)
         best = summary["best"]
         best = "n/a" if best is None else f"{best['metric']} {best['value']:.4g}"
         print(f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best valid {best}; "
@@ -88,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if "torch" in sys.modules:  # leave the process group and stop leftover workers, whatever happened
+            from summarizer.runtime import teardown
+            teardown()
 
 
 if __name__ == "__main__":

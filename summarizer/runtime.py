@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import random
 import signal
@@ -211,8 +212,13 @@ def _per_rank_pair(encoder: torch.device, decoder: torch.device, local_rank: int
 
 
 def teardown() -> None:
+    """Leave the process group, and stop any child process still alive (DataLoader workers ignore SIGTERM, so
+    multiprocessing's own exit handler, which terminates then joins them, would wait forever)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=10)
 
 
 def wrap_ddp(model: nn.Module, rt: Runtime) -> nn.Module:

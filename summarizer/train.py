@@ -6,6 +6,7 @@ import contextlib
 import math
 import signal
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -88,6 +89,55 @@ def oom_message(exc: BaseException, micro_batches: list[dict], cfg: Config, rt: 
             f"Checkpoints already written are intact; the run resumes from the latest.")
 
 
+class ChildSignals:
+    """A DataLoader worker's death (SIGCHLD) is acted on between steps, never inside one: the DataLoader's
+    handler raises wherever the main thread happens to be, and an error between the optimizer's update and
+    the step's bookkeeping would leave weights and data position out of step with each other."""
+
+    def __init__(self):
+        self.pending, self._previous = False, None
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self._previous = signal.signal(signal.SIGCHLD, self._note)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGCHLD, self._previous)
+
+    def _note(self, signum, frame):
+        self.pending = True
+
+    def deliver(self) -> None:
+        """Run the DataLoader's own handler for a SIGCHLD that came during a step (it raises if a worker died)."""
+        if self.pending and callable(self._previous):
+            self.pending = False
+            self._previous(signal.SIGCHLD, None)
+
+
+def worker_died(exc: RuntimeError) -> bool:
+    """Is this the error the DataLoader raises when one of its worker processes died?"""
+    return "DataLoader worker" in str(exc) and ("killed by signal" in str(exc) or "exited unexpectedly" in str(exc))
+
+
+def next_batches(s: Session, cfg: Config, children: ChildSignals) -> list:
+    """The step's micro-batches, or, when a DataLoader worker died (the OOM killer's SIGKILL is the usual cause),
+    a checkpoint of the last completed step (its weights and data position are intact) and a clear abort."""
+    try:
+        children.deliver()
+        return [next(s.stream) for _ in range(cfg.train.accum_steps)]
+    except RuntimeError as exc:
+        if not worker_died(exc):
+            raise
+        if s.rt.is_main:
+            checkpoint.save_step(s.snapshot(), cfg.run_dir, cfg.train.keep_last)
+        raise TrainingAborted(
+            f"{exc} (step {s.progress['step']}). When a worker is killed by SIGKILL it is usually the system's "
+            f"out-of-memory killer: lower data.num_workers (now {cfg.data.num_workers}) or data.prefetch_factor "
+            f"(now {cfg.data.prefetch_factor}), or free memory. The last completed step was checkpointed; run the "
+            f"same command again to resume exactly.") from None
+
+
 def _agree(flag: bool, rt: Runtime) -> bool:
     """Every rank stops together, or the others would wait forever in the next all-reduce."""
     if not rt.distributed:
@@ -95,48 +145,31 @@ def _agree(flag: bool, rt: Runtime) -> bool:
     return bool(runtime.all_reduce_sum(torch.tensor(float(flag), device=rt.device), rt) > 0)
 
 
+@dataclass
+class Loop:
+    """What the training loop carries from step to step besides the session."""
+    stop: StopFlag
+    window: Window
+    profiler: Profiler | None
+    started: float  # perf_counter() at the run's step 0, resumed time included
+    bad_in_row: int = 0
+
+
 def train(cfg: Config) -> dict:
     """Train (or resume) the run `cfg.run.name` until max_steps, max_minutes, a signal or early stopping."""
     s = open_session(cfg)
     t, rt, progress = cfg.train, s.rt, s.progress
-    stop, window, bad_in_row = StopFlag(), Window(rt), 0
     profiler = Profiler(t.profile_steps, cfg.tensorboard_dir / "profile", cfg.run_dir / "profile.txt",
                         any(d.type == "cuda" for d in rt.devices)) if t.profile_steps > 0 and rt.is_main else None
-    started = time.perf_counter() - progress["elapsed_s"]
+    stop, children = StopFlag(), ChildSignals()
+    loop = Loop(stop, Window(rt), profiler, time.perf_counter() - progress["elapsed_s"])
     try:
         while progress["step"] < t.max_steps:
-            t0, micro = time.perf_counter(), []
-            for _ in range(t.accum_steps):
-                batch, epoch, position = next(s.stream)
-                micro.append(move_batch(batch, rt.device))
-            data_s = time.perf_counter() - t0
-            try:
-                out = train_step(s.model, s.optimizer, s.scaler, micro, rt, t)
-            except (torch.OutOfMemoryError, MemoryError) as exc:
-                raise TrainingAborted(oom_message(exc, micro, cfg, rt, progress["step"])) from None
-            s.scheduler.step()
-            if s.ema is not None:
-                s.ema.update_parameters(runtime.unwrap(s.model))
-            progress.update(step=progress["step"] + 1, epoch=epoch, position=position,
-                            elapsed_s=time.perf_counter() - started)
-            window.add(out, micro, data_s)
-            del micro, batch  # free this step's batch before the next one is fetched
-            overflow = s.scaler.is_enabled() and s.scaler.get_scale() >= 1.0  # fp16 scale search, not a fault
-            bad_in_row = 0 if out["finite"] or overflow else bad_in_row + 1
-            if bad_in_row >= t.max_bad_steps:
-                raise TrainingAborted(
-                    f"{bad_in_row} optimizer steps in a row had non-finite loss or gradients (step "
-                    f"{progress['step']}); lower train.lr (now {t.lr}), raise train.warmup_steps, keep "
-                    f"train.clip_norm > 0, or use train.precision=fp32 to rule out overflow")
-            s.monitor.advance()
-            if profiler:
-                profiler.step(progress["step"])
-            time_up = _agree(bool(t.max_minutes) and progress["elapsed_s"] >= 60 * t.max_minutes
-                             or stop.requested, rt)
-            if after_step(s, window, out, time_up):
-                reason = "signal" if stop.requested else "time limit" if time_up else "early stopping"
-                s.monitor.write(f"stopping at step {progress['step']}: {reason}")
-                break
+            t0 = time.perf_counter()
+            fetched = next_batches(s, cfg, children)
+            with children.deferred():
+                if step_once(s, cfg, fetched, time.perf_counter() - t0, loop):
+                    break
         best = progress["best"] or {"metric": t.select_by, "value": float("nan")}
         s.monitor.hparams(flatten(cfg), {f"best/{best['metric']}": best["value"], "hparam/steps": progress["step"]})
     finally:
@@ -144,6 +177,42 @@ def train(cfg: Config) -> dict:
         s.monitor.close()
     return {"steps": progress["step"], "best": progress["best"], "minutes": progress["elapsed_s"] / 60,
             "run_dir": str(cfg.run_dir), "signal": stop.signum}
+
+
+def step_once(s: Session, cfg: Config, fetched: list, data_s: float, loop: Loop) -> bool:
+    """One optimizer step on `fetched` micro-batches, then logging, validation and checkpoints on their
+    intervals; True when training must stop now."""
+    t, rt, progress, window = cfg.train, s.rt, s.progress, loop.window
+    micro = [move_batch(batch, rt.device) for batch, _, _ in fetched]
+    _, epoch, position = fetched[-1]
+    try:
+        out = train_step(s.model, s.optimizer, s.scaler, micro, rt, t)
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise TrainingAborted(oom_message(exc, micro, cfg, rt, progress["step"])) from None
+    s.scheduler.step()
+    if s.ema is not None:
+        s.ema.update_parameters(runtime.unwrap(s.model))
+    progress.update(step=progress["step"] + 1, epoch=epoch, position=position,
+                    elapsed_s=time.perf_counter() - loop.started)
+    window.add(out, micro, data_s)
+    del micro, fetched  # free this step's batch before the next one is fetched
+    overflow = s.scaler.is_enabled() and s.scaler.get_scale() >= 1.0  # fp16 scale search, not a fault
+    loop.bad_in_row = 0 if out["finite"] or overflow else loop.bad_in_row + 1
+    if loop.bad_in_row >= t.max_bad_steps:
+        raise TrainingAborted(
+            f"{loop.bad_in_row} optimizer steps in a row had non-finite loss or gradients (step "
+            f"{progress['step']}); lower train.lr (now {t.lr}), raise train.warmup_steps, keep "
+            f"train.clip_norm > 0, or use train.precision=fp32 to rule out overflow")
+    s.monitor.advance()
+    if loop.profiler:
+        loop.profiler.step(progress["step"])
+    time_up = _agree(bool(t.max_minutes) and progress["elapsed_s"] >= 60 * t.max_minutes or loop.stop.requested,
+                     rt)
+    if after_step(s, window, out, time_up):
+        reason = "signal" if loop.stop.requested else "time limit" if time_up else "early stopping"
+        s.monitor.write(f"stopping at step {progress['step']}: {reason}")
+        return True
+    return False
 
 
 def after_step(s: Session, window: Window, out: dict, time_up: bool) -> bool:

@@ -192,6 +192,33 @@ def test_signal_to_the_process_group_checkpoints_then_exits_as_interrupted(tiny_
     assert pointer["step"] >= 5 and (tmp_path / "run" / pointer["checkpoint"]).exists()
 
 
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to find the worker processes")
+def test_a_worker_killed_by_sigkill_checkpoints_and_exits_instead_of_hanging(tiny_data, tmp_path):
+    """What the OOM killer does to a DataLoader worker: the run writes a checkpoint of its last completed step,
+    says what happened and what to do, and exits non-zero promptly (it used to wait forever at exit)."""
+    proc = _launch(tiny_data, tmp_path / "run", "train.max_steps=100000", "train.ckpt_every=100000",
+                   "train.eval_every=100000", "data.num_workers=2", "data.persistent_workers=true")
+    _wait_for(tmp_path / "run" / "metrics.jsonl", proc)
+    workers = _children(proc.pid)
+    assert len(workers) >= 2, workers
+    os.kill(workers[0], signal.SIGKILL)
+    rc = proc.wait(timeout=120)  # the bug was a hang: a wait with a bound is the test
+    output = proc.stdout.read().decode()
+    assert rc == 2, output[-2000:]
+    assert "DataLoader worker" in output and "out-of-memory killer" in output and "resume" in output
+    assert "Traceback" not in output
+    pointer = json.loads((tmp_path / "run" / "latest.json").read_text())
+    assert pointer["step"] >= 5 and (tmp_path / "run" / pointer["checkpoint"]).exists()
+    assert not [c for c in workers[1:] if Path(f"/proc/{c}").exists()
+                and Path(f"/proc/{c}/stat").read_text().split()[2] != "Z"]  # no worker left behind
+
+
 def test_resuming_on_data_with_another_tokenizer_is_refused(tiny_data, tmp_path):
     from data_prep.__main__ import main as prep
     run = tmp_path / "run"
