@@ -3,7 +3,10 @@ files, never over an input), and atomic writes (temp file, fsync, rename), so a 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import socket
+import time
 from pathlib import Path
 
 from summarizer.errors import ConfigError
@@ -11,12 +14,13 @@ from summarizer.errors import ConfigError
 
 @contextlib.contextmanager
 def atomic_open(path: str | Path, mode: str = "wb"):
-    """Write to `<path>.tmp`, then rename it over `path`: readers see the old file or the new one, never half.
+    """Write to `<path>.<pid>.tmp`, then rename it over `path`: readers see the old file or the new one, never
+    half, and two processes writing the same file never share a temp file.
 
     On any exception the temp file is removed and `path` is left as it was.
     """
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
             yield fh
@@ -33,6 +37,12 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
 
 
 MARKER = ".summarizer"  # a directory the product made (or was given empty) holds this file, naming its kind
+LOCK = ".lock"  # held (flock) by the one process writing a run dir; the kernel releases it on any exit
+
+
+def _ours(name: str) -> bool:
+    """The product's own bookkeeping files, in any directory it claims (marker, lock, their temp files)."""
+    return name in (MARKER, LOCK) or (name.startswith(MARKER + ".") and name.endswith(".tmp"))
 
 
 def claim_dir(path: str | Path, kind: str, key: str, legacy: tuple[str, ...] = (), also: tuple[str, ...] = ()) -> Path:
@@ -61,7 +71,7 @@ def claim_dir(path: str | Path, kind: str, key: str, legacy: tuple[str, ...] = (
             raise ConfigError(f"{key}={path} is a {owner} directory of this product, not a {kind} directory: "
                               f"choose another {key}")
         return path
-    entries = sorted(p.name for p in path.iterdir())
+    entries = sorted(p.name for p in path.iterdir() if not _ours(p.name))
     if entries and not any((path / name).exists() for name in legacy):
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise ConfigError(f"{key}={path} already holds files this product did not write ({shown}); nothing was "
@@ -78,3 +88,55 @@ def refuse_overlap(output: str | Path, inputs: list[str | Path], key: str) -> No
         if item == output or output in item.parents:
             raise ConfigError(f"{key}={output} equals or contains the input {item}: outputs written there could "
                               f"overwrite it. Choose a separate directory for {key}")
+
+
+def hold_lock(path: str | Path, key: str):
+    """Lock directory `path` for this process's life (the open file returned holds it; closing it or exiting,
+    however, releases it). Refused with a message naming the holder when another process has it."""
+    path = Path(path)
+    fh = open(path / LOCK, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        raise ConfigError(f"{key}={path} is in use by {holder}: two trainings must not write one run. Wait for it "
+                          f"to finish, or start another run (run.name=NEW_NAME)") from None
+    fh.seek(0)
+    previous = fh.read().strip()
+    if previous and not _alive(previous):
+        print(f"note: {path / LOCK} named {previous}, which is no longer running; taking it over", flush=True)
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"process {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    fh.flush()
+    return fh
+
+
+def _alive(holder: str) -> bool:
+    """Whether the process a lock file names still runs on this host (unknown hosts count as running)."""
+    words = holder.split()
+    if len(words) < 4 or not words[1].isdigit() or words[3] != socket.gethostname():
+        return True
+    try:
+        os.kill(int(words[1]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim_events_dir(path: str | Path, run_dir: str | Path) -> Path:
+    """The TensorBoard directory of the run `run_dir`: refused when it holds another run dir's events (two
+    runs with one run.name and different run.dir would mix their curves, and a resume's purge would cut both)."""
+    path, owner = Path(path), str(Path(run_dir).resolve())
+    path.mkdir(parents=True, exist_ok=True)
+    marker = path / (MARKER + ".run_dir")
+    if marker.is_file() and marker.read_text().strip() != owner:
+        raise ConfigError(f"TensorBoard dir {path} holds the events of run {marker.read_text().strip()}, not of "
+                          f"{owner}: give this run its own run.name (or run.tensorboard_dir)")
+    if not marker.is_file():
+        atomic_write(marker, owner + "\n")
+    return path

@@ -17,7 +17,7 @@ from summarizer.data import PairDataset, TokenBatchSampler, make_loader
 from summarizer.model import Seq2Seq, count_parameters
 from summarizer.monitor import Monitor, write_manifest
 from summarizer.optim import build_optimizer, build_scheduler
-from summarizer.outputs import claim_dir
+from summarizer.outputs import claim_dir, claim_events_dir, hold_lock
 from summarizer.placement import place_model
 from summarizer.prepared import open_tokenizer, read_meta, valid_split
 from summarizer.resume import check_resume
@@ -112,6 +112,7 @@ class Session:
     monitor: Monitor
     resumed: bool
     ema: AveragedModel | None = None
+    lock: object | None = None  # the run dir's lock file (outputs.hold_lock): held while this run lives
     rouge_pairs: list | None = None  # the valid pairs ROUGE is measured on during training, read once
 
     @property
@@ -133,8 +134,11 @@ def open_session(cfg: Config) -> Session:
     rt = runtime.setup(cfg)
     runtime.seed_everything(cfg.train.seed, cfg.train.deterministic)
     meta, tokenizer = read_meta(cfg.data.dir), open_tokenizer(cfg.data.dir)
+    lock = None
     if rt.is_main:
         claim_dir(cfg.run_dir, "run", "run.dir", legacy=RUN_FILES, also=("overfit",))
+        lock = hold_lock(cfg.run_dir, "run.dir")  # held until the run's process ends: one run per run dir
+        claim_events_dir(cfg.tensorboard_dir, cfg.run_dir)
     state, changes = resume_state(cfg, meta)
     model, optimizer, scaler = build(cfg, rt, meta, state)
     ema = build_ema(model, cfg.train.ema_decay, state)
@@ -168,6 +172,6 @@ def open_session(cfg: Config) -> Session:
                   f"{len(train_ds)} train pairs, {len(valid_ds)} {valid_name} pairs, "
                   f"{'resuming at step ' + str(progress['step']) if progress['step'] else 'starting'}")
     return Session(cfg, rt, meta, tokenizer, model, optimizer, scheduler, scaler, progress, stream,
-                   valid_ds, valid_loader, monitor, progress["step"] > 0, ema)
+                   valid_ds, valid_loader, monitor, progress["step"] > 0, ema, lock)
 
 

@@ -175,6 +175,8 @@ def train(cfg: Config) -> dict:
     finally:
         stop.restore()
         s.monitor.close()
+        if s.lock is not None:
+            s.lock.close()
     return {"steps": progress["step"], "best": progress["best"], "minutes": progress["elapsed_s"] / 60,
             "run_dir": str(cfg.run_dir), "signal": stop.signum}
 

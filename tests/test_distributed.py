@@ -48,8 +48,8 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_pr
 
 def test_model_parallel_placement_cpu_cpu_equals_one_device(tiny_prepared, tmp_path):
     base = [f"data.dir={tiny_prepared}", f"run.tensorboard_dir={tmp_path / 'tb'}", *EXACT]
-    train(load_config(ROOT / "configs/tiny.yaml", base + [f"run.dir={tmp_path / 'one'}"]))
+    train(load_config(ROOT / "configs/tiny.yaml", base + [f"run.dir={tmp_path / 'one'}", "run.name=one"]))
     train(load_config(ROOT / "configs/tiny.yaml", base + [
-        f"run.dir={tmp_path / 'split'}", "placement.encoder_device=cpu:0", "placement.decoder_device=cpu",
-        "placement.pipeline_chunks=2"]))
+        f"run.dir={tmp_path / 'split'}", "run.name=split", "placement.encoder_device=cpu:0",
+        "placement.decoder_device=cpu", "placement.pipeline_chunks=2"]))
     assert_same(records(tmp_path / "split", "train"), records(tmp_path / "one", "train"))

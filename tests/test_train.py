@@ -219,6 +219,41 @@ def test_a_worker_killed_by_sigkill_checkpoints_and_exits_instead_of_hanging(tin
                 and Path(f"/proc/{c}/stat").read_text().split()[2] != "Z"]  # no worker left behind
 
 
+def test_a_run_dir_is_locked_while_its_run_lives(tmp_path, capsys):
+    from summarizer.errors import ConfigError
+    from summarizer.outputs import hold_lock
+    held = hold_lock(tmp_path, "run.dir")
+    with pytest.raises(ConfigError, match=rf"in use by process {os.getpid()} on .*start another run"):
+        hold_lock(tmp_path, "run.dir")
+    held.close()  # the run ended (any exit closes it): the dir is free again
+    hold_lock(tmp_path, "run.dir").close()
+    (tmp_path / ".lock").write_text(f"process 999999999 on {os.uname().nodename} since 2026-01-01 00:00:00\n")
+    hold_lock(tmp_path, "run.dir").close()  # a dead holder's lock is taken over, with a note
+    assert "no longer running; taking it over" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_second_training_on_a_running_run_dir_is_refused(tiny_data, tmp_path):
+    first = _launch(tiny_data, tmp_path / "run", "train.max_steps=100000", "train.ckpt_every=100000",
+                    "train.eval_every=100000")
+    try:
+        _wait_for(tmp_path / "run" / "metrics.jsonl", first)
+        second = _launch(tiny_data, tmp_path / "run", "train.max_steps=100000", "train.lr=0.002")
+        assert second.wait(timeout=300) == 2
+        output = second.stdout.read().decode()
+        assert f"in use by process {first.pid}" in output and "Traceback" not in output
+    finally:
+        first.terminate()
+        first.wait(timeout=300)
+
+
+def test_runs_sharing_a_name_do_not_share_tensorboard_curves(tiny_data, tmp_path):
+    from summarizer.errors import ConfigError
+    train_mod.train(make_cfg(tiny_data, tmp_path / "a", "train.max_steps=2", f"run.tensorboard_dir={tmp_path}/tb"))
+    with pytest.raises(ConfigError, match="holds the events of run .*/a, not of .*/b: give this run its own run.name"):
+        train_mod.train(make_cfg(tiny_data, tmp_path / "b", "train.max_steps=2", f"run.tensorboard_dir={tmp_path}/tb"))
+
+
 def test_resuming_on_data_with_another_tokenizer_is_refused(tiny_data, tmp_path):
     from data_prep.__main__ import main as prep
     run = tmp_path / "run"
