@@ -150,11 +150,22 @@ def _plain(value):
 
 
 def _truncate_metrics(path: Path, start_step: int) -> None:
-    """On resume, drop records past the checkpoint: the resumed run logs those steps again."""
+    """On resume, drop records past the checkpoint (the resumed run logs those steps again), and any line a
+    crash or a full disk left torn (an append cut short), saying so."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= start_step]
+    keep, torn = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line) if line.strip() else None
+        except ValueError:
+            torn += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= start_step:
+            keep.append(line)
+    if torn:
+        print(f"note: {path} held {torn} torn line(s) (a write cut short by a crash or a full disk); dropped",
+              file=sys.stderr, flush=True)
     atomic_write(path, "".join(line + "\n" for line in keep))
 
 

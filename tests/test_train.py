@@ -312,3 +312,15 @@ def test_best_checkpoint_holds_the_moving_average_of_the_weights(tiny_data, tmp_
     for name, tensor in best["model"].items():
         assert torch.equal(tensor, step["ema"][f"module.{name}"])  # what validation scored
     assert any(not torch.equal(best["model"][k], step["model"][k]) for k in best["model"])  # not the raw weights
+
+
+def test_resume_trims_a_torn_last_line_of_metrics(tiny_data, tmp_path, capsys):
+    """A full disk during an append leaves half a record; the resume drops it (saying so) instead of failing."""
+    run = tmp_path / "run"
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=10", "train.ckpt_every=10"))
+    with open(run / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 41, "split"')
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=15"))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records) == 15
+    assert "1 torn line(s)" in capsys.readouterr().err
