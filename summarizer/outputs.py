@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import socket
 import time
@@ -140,3 +141,35 @@ def claim_events_dir(path: str | Path, run_dir: str | Path) -> Path:
     if not marker.is_file():
         atomic_write(marker, owner + "\n")
     return path
+
+
+WRITTEN_BY = "written_by"  # the key a JSON report of the product names its writer under
+
+
+def check_report_target(path: str | Path, writer: str, key: str) -> Path:
+    """Refuse, before any work, a report path that is a directory, lies under a file, or holds a file that
+    `writer` did not write (the product never replaces a user's file)."""
+    path = Path(path)
+    if path.parent.exists() and not path.parent.is_dir():
+        raise ConfigError(f"{key} {path.parent} is a file, not a directory: give a directory for {path.name}")
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory: choose another {key}")
+    if path.exists():
+        try:
+            owner = json.loads(path.read_text(encoding="utf-8")).get(WRITTEN_BY)
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            owner = None
+        if owner != writer:
+            raise ConfigError(f"{path} already exists and was not written by `{writer}`; nothing was changed. "
+                              f"Move it, or choose another {key}")
+    return path
+
+
+def write_report(path: str | Path, report: dict, writer: str, key: str) -> dict:
+    """Write the JSON `report` to `path` atomically, tagged with its `writer` (e.g. "summarizer compare"). A file
+    already at `path` is replaced only if that writer wrote it (check_report_target). Returns what was written."""
+    path = check_report_target(path, writer, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {WRITTEN_BY: writer, **report}
+    atomic_write(path, json.dumps(report, indent=2) + "\n")
+    return report

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from summarizer.errors import UserError
+from summarizer.outputs import check_report_target, write_report
 from summarizer.pairs import read_pairs_file
 from summarizer.prepared import read_pairs
 from summarizer.scoring import MEASURES, ROUGE_TYPES, bootstrap_means, pair_scores, truncate_bytes
@@ -16,6 +16,7 @@ from summarizer.scoring import MEASURES, ROUGE_TYPES, bootstrap_means, pair_scor
 NAMES = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L"}
 PREDICTIONS = "predictions.txt"
 OUTPUT = "compare.json"
+WRITER = "summarizer compare"
 METHODS = {
     "statistic": "d = mean over pairs of (F_B - F_A), per metric, in ROUGE points; B > A when d > 0",
     "bootstrap": "paired bootstrap (Koehn 2004): R resamples of the pairs with replacement, the same pairs for "
@@ -46,7 +47,11 @@ def read_predictions(path: str | Path, role: str) -> tuple[Path, list[str]]:
     if not path.is_file():
         raise CompareError(f"{role} {path} does not exist: give a {PREDICTIONS} (one summary per line) or "
                            f"an eval output dir holding one")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise CompareError(f"{role} {path} is not UTF-8 text (byte {exc.start}): give the predictions.txt that "
+                           f"eval wrote, or convert the file to UTF-8") from None
     if not text:
         raise CompareError(f"{role} {path} is empty: it should hold one summary per line, one per reference pair")
     lines = text.split("\n")
@@ -131,6 +136,7 @@ def compare(a: str, b: str, ref: str, out_dir: str | Path = ".", samples: int = 
     out = Path(out_dir) / OUTPUT
     if out.resolve() in {path_a.resolve(), path_b.resolve(), Path(where).resolve()}:
         raise CompareError(f"output {out} is one of the inputs; choose another --out")
+    check_report_target(out, WRITER, "--out")
     measure = "r" if truncate else "f"
     cut = {name: [truncate_bytes(p, truncate, whole_words=True) for p in preds]
            for name, preds in (("A", preds_a), ("B", preds_b))}
@@ -145,9 +151,7 @@ def compare(a: str, b: str, ref: str, out_dir: str | Path = ".", samples: int = 
                      "references": "best reference per metric (score_multi)",
                      "unk": "UNK and <unk> scored as the same word",
                      "samples": samples, "seed": seed, **METHODS}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    return report
+    return write_report(out, report, WRITER, "--out")
 
 
 def format_table(report: dict) -> str:

@@ -13,6 +13,7 @@ from summarizer import checkpoint
 from summarizer.config import Config, TrainConfig, load_config
 from summarizer.errors import ConfigError
 from summarizer.evaluate import evaluate
+from summarizer.outputs import check_report_target, write_report
 from summarizer.prepared import read_pairs
 from summarizer.scoring import ROUGE_TYPES
 from summarizer.train import train
@@ -99,10 +100,16 @@ def summarize_seeds(name: str, runs: list[dict]) -> dict:
     return summary
 
 
+WRITER = "summarizer seeds"
+
+
 def run_seeds(cfg: Config, n: int) -> tuple[dict, Path]:
     """Seeds 1..n of `cfg`; writes seeds_<run.name>.json beside the run dirs. Returns (summary, its path)."""
     if n < 1:
         raise ConfigError(f"--n must be at least 1, got {n}")
+    path = seed_config(cfg, 1).run_dir.parent / f"seeds_{cfg.run.name}.json"
+    key = f"run.name (seeds_{cfg.run.name}.json beside the run dirs)"
+    check_report_target(path, WRITER, key)  # before hours of training, not after
     runs = []
     for seed in range(1, n + 1):
         seed_cfg = seed_config(cfg, seed)
@@ -113,9 +120,7 @@ def run_seeds(cfg: Config, n: int) -> tuple[dict, Path]:
     summary = summarize_seeds(cfg.run.name, runs)
     summary["eval"] = {key: getattr(cfg.eval, key) for key in EVAL_KEYS}
     summary["eval"]["pairs"] = report["settings"]["pairs"]
-    path = seed_config(cfg, 1).run_dir.parent / f"seeds_{cfg.run.name}.json"
-    path.write_text(json.dumps(summary, indent=2))
-    return summary, path
+    return write_report(path, summary, WRITER, key), path
 
 
 def format_summary(summary: dict) -> str:

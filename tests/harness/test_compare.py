@@ -134,3 +134,24 @@ def test_user_mistakes_end_in_one_clear_message(systems, tmp_path, capsys):
     clash.write_text(good.read_text())
     with pytest.raises(CompareError, match="one of the inputs"):
         compare(str(clash), str(good), ref, tmp_path, samples=1)
+
+
+def test_compare_never_replaces_a_file_it_did_not_write(systems, tmp_path, capsys):
+    from summarizer.__main__ import main
+    _, good, bad, _ = systems
+    ref = str(TINY / "test.jsonl")
+    mine = tmp_path / "compare.json"
+    mine.write_text("keep\n")
+    assert main(["compare", str(bad), str(good), "--ref", ref, "--out", str(tmp_path), "--samples", "10"]) == 2
+    assert "was not written by `summarizer compare`" in capsys.readouterr().err and mine.read_text() == "keep\n"
+    mine.unlink()
+    for _ in range(2):  # its own file it replaces
+        assert main(["compare", str(bad), str(good), "--ref", ref, "--out", str(tmp_path), "--samples", "10"]) == 0
+    assert json.loads(mine.read_text())["written_by"] == "summarizer compare"
+    assert main(["compare", str(bad), str(good), "--ref", ref, "--out", str(mine), "--samples", "10"]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes(good.read_text().replace("a", "\xe9").encode("latin-1"))
+    assert main(["compare", str(latin), str(good), "--ref", ref, "--out", str(tmp_path), "--samples", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "is not UTF-8 text" in err and "Traceback" not in err

@@ -106,3 +106,14 @@ def test_one_seed_has_no_std():
     runs = [{"seed": 1, "rouge1": 30.0, "rouge2": 10.0, "rougeL": 28.0}]
     summary = seeds.summarize_seeds("x", runs)
     assert summary["mean"]["rouge1"] == 30.0 and summary["std"]["rouge1"] is None
+
+
+def test_a_users_file_where_the_summary_goes_is_refused_before_any_training(tmp_path, monkeypatch):
+    from summarizer.errors import ConfigError
+    cfg = cfg_of(["--config", str(ROOT / "configs/tiny.yaml"), f"run.dir={tmp_path / 'run'}"])
+    mine = tmp_path / "seeds_tiny.json"
+    mine.write_text('{"my": "notes"}')
+    monkeypatch.setattr(seeds, "train", lambda cfg: pytest.fail("trained before checking where the summary goes"))
+    with pytest.raises(ConfigError, match="was not written by `summarizer seeds`"):
+        seeds.run_seeds(cfg, 2)
+    assert mine.read_text() == '{"my": "notes"}'
