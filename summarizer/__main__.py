@@ -3,8 +3,10 @@ research harness `python -m summarizer {compare,average,seeds,report} ...`."""
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
+import os
 import signal
 import sys
 
@@ -84,6 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`summarize ... | head -1`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 1
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+        print(f"error: {exc.filename or 'a file'}: {exc.strerror}: free disk space (or lift the file-size limit) "
+              f"and run the same command again; files written before this one, checkpoints included, are intact",
+              file=sys.stderr)
+        return 1
     finally:
         if "torch" in sys.modules:  # leave the process group and stop leftover workers, whatever happened
             from summarizer.runtime import teardown

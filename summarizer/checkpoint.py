@@ -1,6 +1,7 @@
 """Versioned, atomic checkpoints holding everything needed to resume exactly; latest/best pointers."""
 from __future__ import annotations
 
+import errno
 import json
 import random
 from pathlib import Path
@@ -47,8 +48,14 @@ def save(state: dict, path: Path) -> None:
     """Write `state` (a dict of state_dicts and plain values) to path, atomically."""
     state = {"format_version": FORMAT_VERSION, **state}
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_open(path) as fh:
-        torch.save(state, fh)
+    try:
+        with atomic_open(path) as fh:
+            torch.save(state, fh)
+    except RuntimeError as exc:  # torch's writer reports a failed write ("enforce fail at inline_container.cc")
+        if "write" not in str(exc).lower():
+            raise
+        raise OSError(errno.ENOSPC, f"cannot write the checkpoint (the disk is full or a file-size limit is "
+                                    f"set: {str(exc).splitlines()[0]})", str(path)) from None
 
 
 def load(path: str | Path, map_location="cpu") -> dict:

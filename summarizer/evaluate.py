@@ -125,6 +125,9 @@ def evaluate(cfg: Config) -> dict:
     report["settings"] = settings(cfg, name, len(pairs), source, rt.precision)
     report["sentences_per_s"] = len(pairs) / seconds  # decoding alone, as other toolkits time it
     report["startup_s"] = started - begun  # reading data and the checkpoint, quantizing, the word rules' lexicon
+    # rouge.json names the predictions it scored: the old one goes first and the new one is written last, so
+    # a failure in between leaves predictions without a report, never a report beside other predictions.
+    (out_dir / "rouge.json").unlink(missing_ok=True)
     atomic_write(out_dir / "predictions.txt", "".join(p + "\n" for p in predictions))
     atomic_write(out_dir / "rouge.json", json.dumps(report, indent=2))
     print(summary_line(report, out_dir), file=sys.stderr)

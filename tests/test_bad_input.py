@@ -198,3 +198,34 @@ def test_unwritable_output_dir_is_refused(data, tmp_path, capsys, monkeypatch):
 
 
 # Row 12: an interrupted run exits as shells expect, after its checkpoint (tests/test_train.py sends the signals).
+
+
+def test_a_closed_pipe_ends_summarize_quietly(trained_run):
+    """`summarize ... | head -1`: the reader leaves early; no traceback, no second error at exit."""
+    import subprocess
+    import sys
+    _, args = trained_run
+    lines = "".join(f"the mayor opened park number {i} on monday .\n" for i in range(2000))
+    cmd = f"{sys.executable} -m summarizer summarize {' '.join(args)} eval.beam_size=1 | head -1"
+    proc = subprocess.run(["bash", "-c", cmd], input=lines.encode(), capture_output=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert len(proc.stdout.decode().splitlines()) == 1
+    assert b"Traceback" not in proc.stderr and b"BrokenPipe" not in proc.stderr, proc.stderr.decode()[-2000:]
+
+
+def test_a_full_disk_at_a_checkpoint_write_is_one_clear_message(trained_run, tmp_path, monkeypatch, capsys):
+    import torch
+
+    from summarizer.__main__ import main
+
+    def full(obj, fh):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 320 vs 256: file write failed")
+    monkeypatch.setattr(torch, "save", full)
+    _, args = trained_run
+    run_args = [a for a in args if not a.startswith(("run.dir=", "run.tensorboard_dir="))] + [
+        f"run.dir={tmp_path / 'run'}", f"run.tensorboard_dir={tmp_path / 'tb'}", "train.max_steps=2",
+        "train.ckpt_every=1"]
+    assert main(["train", *run_args]) == 1
+    err = capsys.readouterr().err
+    assert "cannot write the checkpoint" in err and "ckpt_00000001.pt" in err and "Traceback" not in err
+    assert not list((tmp_path / "run").glob("*.tmp")) and not list((tmp_path / "run").glob("*.pt"))

@@ -169,3 +169,22 @@ def test_quantize_int8_returns_a_copy_and_leaves_its_argument_untouched():
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     assert any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in quantized.modules())
     assert not any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in model.modules())
+
+
+def test_a_failed_eval_write_never_leaves_a_report_beside_other_predictions(trained_tiny, monkeypatch, capsys):
+    """A full disk while writing rouge.json: the earlier eval's report must not stay beside the new predictions."""
+    from summarizer import evaluate as evaluate_mod
+    from summarizer.__main__ import main
+    tmp, args = trained_tiny
+    out = tmp / "consistent"
+    assert main(["eval", *args, "eval.beam_size=1", f"eval.out_dir={out}"]) == 0
+    real = evaluate_mod.atomic_write
+
+    def full_disk(path, data):
+        if Path(path).name == "rouge.json":
+            raise OSError(28, "No space left on device")
+        real(path, data)
+    monkeypatch.setattr(evaluate_mod, "atomic_write", full_disk)
+    with pytest.raises(OSError):
+        main(["eval", *args, "eval.beam_size=2", f"eval.out_dir={out}"])
+    assert (out / "predictions.txt").exists() and not (out / "rouge.json").exists()
