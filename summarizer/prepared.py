@@ -33,9 +33,16 @@ def split_files(split: str) -> dict[str, str]:
             "pairs": f"{split}.jsonl"}
 
 
-def valid_split(meta: dict) -> str:
-    """The split validation reads: `valid` when prep made one, else `train` (tiny corpora without one)."""
-    return "valid" if "valid" in meta["splits"] else "train"
+def valid_split(meta: dict, speed_only: bool = False) -> str:
+    """The split validation reads: `valid`. Without one, training would validate on, and pick best.pt by, its
+    own training pairs while calling them valid: refused, unless the caller only measures speed (the bench)."""
+    if "valid" in meta["splits"]:
+        return "valid"
+    if speed_only:
+        return "train"
+    raise DataError(f"the prepared data has no valid split (prepared: {', '.join(meta['splits'])}), so validation "
+                    f"and the choice of best.pt would measure the training pairs. Map one (data.splits.valid=[NAME]) "
+                    f"or hold pairs out of train (data.valid_holdout=500), then run prep again")
 
 
 def read_meta(data_dir: str | Path) -> dict:

@@ -324,3 +324,12 @@ def test_resume_trims_a_torn_last_line_of_metrics(tiny_data, tmp_path, capsys):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in records) == 15
     assert "1 torn line(s)" in capsys.readouterr().err
+
+
+def test_data_without_a_valid_split_is_refused_not_validated_on_train(tmp_path):
+    """Otherwise validation, and the choice of best.pt, would measure the training pairs labelled valid."""
+    from data_prep.__main__ import main as prep
+    data = tmp_path / "data"
+    assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={data}", "data.splits={train: [train]}"]) == 0
+    with pytest.raises(DataError, match="no valid split.*data.valid_holdout=500"):
+        train_mod.train(make_cfg(data, tmp_path / "run", "train.max_steps=2"))
