@@ -79,6 +79,24 @@ def _load_and_clean(cfg: DataConfig, data_dir: Path) -> tuple[dict, dict, dict, 
     return ordered, raw_pairs, dropped, held, inputs
 
 
+def refuse_silent_rebuild(data_dir: Path, cfg: DataConfig) -> None:
+    """A prepared dir whose inputs or settings changed is rebuilt only when asked (data.rebuild=true): the
+    rebuild trains a new tokenizer, and runs trained on the old one could no longer be resumed or evaluated."""
+    try:
+        old = json.loads((data_dir / META_FILE).read_text())
+    except (OSError, ValueError):
+        return  # nothing prepared there (or a broken remnant): nothing a run could depend on
+    if cfg.rebuild:
+        return
+    changed = [f"vocab_size {old.get('requested_vocab_size')} -> {cfg.vocab_size}"] \
+        if old.get("requested_vocab_size") != cfg.vocab_size else []
+    changed += [f"data.source {old.get('source')!r} -> {cfg.source!r}"] if old.get("source") != cfg.source else []
+    raise DataError(f"data.dir={data_dir} holds data prepared from other inputs or settings "
+                    f"({'; '.join(changed) or 'the input files or other data.* keys changed'}). Rebuilding it "
+                    f"replaces its tokenizer, and runs trained on it could no longer resume or be evaluated. "
+                    f"Prepare into a new data.dir, or pass data.rebuild=true to replace it")
+
+
 def _clear_outputs(data_dir: Path) -> None:
     """Without meta.json the dir reads as unprepared, so a crash from here on is never mistaken for success."""
     (data_dir / META_FILE).unlink(missing_ok=True)
@@ -98,6 +116,7 @@ def prepare(cfg: DataConfig) -> dict | None:
         print(f"{data_dir} is up to date (same inputs and data settings): nothing to do", flush=True)
         return None
     claim_dir(data_dir, "data", "data.dir", legacy=(META_FILE,))
+    refuse_silent_rebuild(data_dir, cfg)
     cleaned, raw_pairs, dropped, held, inputs = _load_and_clean(cfg, data_dir)
     spm_model, spm_info = train_spm(cleaned["train"], cfg)
     _clear_outputs(data_dir)  # only now: every failure a user can cause has happened by here

@@ -62,6 +62,7 @@ class DataConfig:
     splits: dict = key({"train": ["train", "valid"], "valid": [], "test": ["test_dev", "test"]}, resume=True)
     # >0 and no valid split mapped: hold this many train pairs out as the valid split
     valid_holdout: int = key(500, low=0, resume=True)
+    rebuild: bool = key(False, resume=True, bookkeeping=True)  # prep: replace a prepared dir whose inputs changed
     train_limit: int = key(0, low=0)  # >0: train on only the first N prepared train pairs (overfit checks)
     lowercase: bool = True  # applied at prep and at `summarize`
     mask_digits: bool = True  # every digit -> '#', as Gigaword's preprocessing did

@@ -205,14 +205,17 @@ def test_second_run_does_nothing(tmp_path, capsys):
     assert "nothing to do" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.is_file()} == mtimes
     changed = args[:-3] + ["data.vocab_size=60", "data.num_proc=1", "data.valid_holdout=0"]
-    assert main(changed) == 0  # a changed key rebuilds
+    assert main(changed) == 2  # a changed key rebuilds only when asked: runs may depend on the tokenizer
+    assert "vocab_size 64 -> 60" in capsys.readouterr().err and read_meta(tmp_path)["requested_vocab_size"] == 64
+    assert main([*changed, "data.rebuild=true"]) == 0
     assert read_meta(tmp_path)["requested_vocab_size"] == 60
 
 
 def test_rebuild_removes_splits_no_longer_produced(tmp_path):
     prepare(data_config(tmp_path, f"data.source={ASSETS / 'rush'}"))
     assert (tmp_path / "valid.src.npy").exists()
-    prepare(data_config(tmp_path, f"data.source={ASSETS / 'rush'}", "data.splits={train: [train]}"))
+    prepare(data_config(tmp_path, f"data.source={ASSETS / 'rush'}", "data.splits={train: [train]}",
+                        "data.rebuild=true"))
     assert set(read_meta(tmp_path)["splits"]) == {"train"}
     assert not any((tmp_path / f).exists() for f in split_files("valid").values())
 
@@ -220,7 +223,8 @@ def test_rebuild_removes_splits_no_longer_produced(tmp_path):
 def test_failed_rebuild_keeps_the_previous_data(tmp_path):
     meta = prepare(data_config(tmp_path, f"data.source={ASSETS / 'rush'}"))
     with pytest.raises(DataError, match="malformed"):
-        prepare(data_config(tmp_path, f"data.source={{train: [{ASSETS / 'bad/malformed.jsonl'}]}}"))
+        prepare(data_config(tmp_path, f"data.source={{train: [{ASSETS / 'bad/malformed.jsonl'}]}}",
+                            "data.rebuild=true"))
     assert read_meta(tmp_path) == meta and len(load_split(tmp_path, "train").src_offsets) == 7
 
 
@@ -327,7 +331,7 @@ def test_several_sources_with_their_own_reader_settings_in_one_prepared_dir(tmp_
     assert by_path[("train", "ag.jsonl")]["cleaned"] == {"agency_prefix": 2, "agency_suffix": 2}
     assert by_path[("train", "ag.jsonl")]["sha256"] == hashlib.sha256(ag.read_bytes()).hexdigest()
     assert prepare(cfg) is None  # nothing changed: nothing to do
-    cfg.source = {**source, "train": source["train"][:2]}  # reader settings are part of what prep depends on
+    cfg.source, cfg.rebuild = {**source, "train": source["train"][:2]}, True  # reader settings count as inputs
     assert prepare(cfg)["splits"]["train"]["pairs"] == 3
 
 
