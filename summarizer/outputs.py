@@ -39,6 +39,7 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
 
 MARKER = ".summarizer"  # a directory the product made (or was given empty) holds this file, naming its kind
 LOCK = ".lock"  # held (flock) by the one process writing a run dir; the kernel releases it on any exit
+_held: list = []  # lock files this process holds (forked children close their copies: release_inherited_locks)
 
 
 def _ours(name: str) -> bool:
@@ -112,7 +113,16 @@ def hold_lock(path: str | Path, key: str):
     fh.truncate()
     fh.write(f"process {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     fh.flush()
+    _held.append(fh)
     return fh
+
+
+def release_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker): close the copies of the parent's lock files, so the lock ends with
+    the parent. A flock belongs to the open file, which fork shares: a worker outliving a killed parent for a few
+    seconds would otherwise keep the run dir locked against its own resume."""
+    while _held:
+        _held.pop().close()  # closes this process's copy only; the lock is released when the last copy closes
 
 
 def _alive(holder: str) -> bool:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from summarizer.config import Config
 from summarizer.errors import ConfigError
 from summarizer.model import explicit_attention
+from summarizer.outputs import release_inherited_locks
 
 
 @dataclass
@@ -133,9 +134,10 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
 
 
 def init_worker(worker_id: int) -> None:
-    """DataLoader worker_init_fn: seed numpy/random from torch's per-worker seed, and ignore SIGINT and
-    SIGTERM. Ctrl-C and schedulers signal the whole process group; a worker that died of it would
-    crash the main process before it could checkpoint. The main process decides, then stops them."""
+    """DataLoader worker_init_fn: let go of the run dir's lock, seed numpy/random from torch's per-worker seed,
+    and ignore SIGINT and SIGTERM. Ctrl-C and schedulers signal the whole process group; a worker that died of it
+    would crash the main process before it could checkpoint. The main process decides, then stops them."""
+    release_inherited_locks()
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)

@@ -53,12 +53,17 @@ def build(cfg: Config, rt: Runtime, meta: dict, state: dict | None = None):
     return model, optimizer, scaler
 
 
-def build_ema(model: nn.Module, decay: float, state: dict | None) -> AveragedModel | None:
+def build_ema(model: nn.Module, decay: float, state: dict | None, max_steps: int) -> AveragedModel | None:
     """An exponential moving average of the weights (train.ema_decay; 0 = none): w_ema <- decay * w_ema +
     (1 - decay) * w after every optimizer step, starting from the first step's weights. It is what
-    validation scores and what best.pt holds; a resumed run restores it from its checkpoint."""
+    validation scores and what best.pt holds (step checkpoints hold both; eval.checkpoint=ckpt_*.pt and
+    `average` use the raw weights); a resumed run restores it from its checkpoint."""
     if not decay:
         return None
+    if max_steps < 3 / (1 - decay):  # after t steps the first weights still count decay**t: > 5% here
+        print(f"warning: train.ema_decay={decay} averages the weights over about {round(1 / (1 - decay))} steps, "
+              f"but this run has {max_steps}: best.pt (the average) will lag far behind the trained weights. "
+              f"For short runs set train.ema_decay=0 or a smaller decay", file=sys.stderr, flush=True)
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
     if state and "ema" in state:
         ema.load_state_dict(state["ema"])
@@ -141,7 +146,7 @@ def open_session(cfg: Config) -> Session:
         claim_events_dir(cfg.tensorboard_dir, cfg.run_dir)
     state, changes = resume_state(cfg, meta)
     model, optimizer, scaler = build(cfg, rt, meta, state)
-    ema = build_ema(model, cfg.train.ema_decay, state)
+    ema = build_ema(model, cfg.train.ema_decay, state, cfg.train.max_steps)
     progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
     if state is not None:
         checkpoint.set_rng_state(state["rng"])

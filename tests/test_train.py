@@ -157,7 +157,7 @@ def _wait_for(path: Path, proc, timeout=600):  # a safety net on a busy machine,
 @pytest.mark.parametrize("sampling", [[], ["data.subword_alpha=0.2", "data.num_workers=2"]])
 def test_resume_after_sigkill_logs_exactly_the_uninterrupted_losses(tiny_data, tmp_path, sampling):
     """With or without sampled segmentations (drawn per seed, epoch and pair, in worker processes)."""
-    extra = ["train.max_steps=80", "train.ckpt_every=20", "train.eval_every=40", *sampling]
+    extra = ["train.max_steps=80", "train.ckpt_every=20", "train.eval_every=40", "train.ema_decay=0.95", *sampling]
     reference = _launch(tiny_data, tmp_path / "ref", *extra)
     assert reference.wait(timeout=600) == 0
     killed = _launch(tiny_data, tmp_path / "killed", *extra)
@@ -333,3 +333,10 @@ def test_data_without_a_valid_split_is_refused_not_validated_on_train(tmp_path):
     assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={data}", "data.splits={train: [train]}"]) == 0
     with pytest.raises(DataError, match="no valid split.*data.valid_holdout=500"):
         train_mod.train(make_cfg(data, tmp_path / "run", "train.max_steps=2"))
+
+
+def test_a_moving_average_longer_than_the_run_is_warned_about(tiny_data, tmp_path, capsys):
+    train_mod.train(make_cfg(tiny_data, tmp_path / "run", "train.max_steps=4", "train.ema_decay=0.999"))
+    assert "averages the weights over about 1000 steps, but this run has 4" in capsys.readouterr().err
+    train_mod.train(make_cfg(tiny_data, tmp_path / "run2", "train.max_steps=4", "train.ema_decay=0.2"))
+    assert "averages the weights" not in capsys.readouterr().err
