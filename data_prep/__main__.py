@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # nothing half-written counts as prepared: meta.json is written last
+        print("interrupted; the next prep starts over (data.dir is not marked prepared until it completes)",
+              file=sys.stderr)
+        return 130
     return 0
 
 

@@ -82,6 +82,9 @@ def local_files(source) -> dict[str, list[FileSpec]]:
         raise ConfigError("data.source is empty: set it to hf:NAME[:SUBSET], a directory, "
                           "or (in YAML) a mapping {train: [files], ...}")
     root = Path(source)
+    if root.is_file():
+        raise DataError(f"data.source={root} is a file; give the directory that holds it (its name, e.g. "
+                        f"train.jsonl, names the split), or in YAML a mapping {{train: [{root}]}}")
     if not root.is_dir():
         raise DataError(f"data.source directory {root} does not exist: fix the path, or use hf:NAME for a hub dataset")
     return _scan_directory(root)
@@ -123,7 +126,8 @@ def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
 # whole file failing. The json builder only re-decodes when the encoding is not literally "utf-8";
 # "utf-8-sig" is the same codec and also tolerates a leading byte-order mark.
 _DECODE = {"json": {"encoding": "utf-8-sig", "encoding_errors": "replace"},
-           "csv": {"encoding_errors": "replace"}, "text": {"encoding_errors": "replace"}}
+           "csv": {"encoding": "utf-8-sig", "encoding_errors": "replace"},
+           "text": {"encoding": "utf-8-sig", "encoding_errors": "replace"}}
 
 
 def _load_builder(builder: str, path: Path, cache_dir: Path) -> Dataset:

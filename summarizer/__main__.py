@@ -69,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "summarize":
         from summarizer.summarize import summarize_stream
+        if sys.stdin is None:
+            raise UserError("summarize reads text from standard input, which is closed: pipe or redirect the text "
+                            "in, one input per line (e.g. `summarize ... < articles.txt`)")
         summarize_stream(cfg, sys.stdin.buffer, sys.stdout)
         return 0
     from summarizer.bench.run import run_bench

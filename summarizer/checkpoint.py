@@ -61,6 +61,9 @@ def save(state: dict, path: Path) -> None:
 def load(path: str | Path, map_location="cpu") -> dict:
     """Load with weights_only=True (no arbitrary code), checking the format version."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a directory: give a .pt file in it (best.pt, ckpt_*.pt), or "
+                              f"run.dir={path} to evaluate that run's best.pt")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist; train first (`make train`) "
                               f"or point eval.checkpoint at an existing .pt file")
@@ -77,6 +80,15 @@ def load(path: str | Path, map_location="cpu") -> dict:
         raise CheckpointError(f"checkpoint {path} has format version {version}, but this code reads version "
                               f"{FORMAT_VERSION}; evaluate it with the release that wrote it (its manifest.json "
                               f"names the git commit), or train a new run with this one")
+    return state
+
+
+def require_model(state: dict, path: str | Path) -> dict:
+    """`state` if it holds what decoding needs (weights, their config, the data they were trained on)."""
+    missing = [k for k in ("model", "config", "data_meta") if k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: it was not written by this product's "
+                              f"train or average; evaluate a checkpoint of a run (best.pt or ckpt_*.pt)")
     return state
 
 

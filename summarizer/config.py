@@ -236,8 +236,9 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         return value
     if isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
         return value
+    hint = f"; quote it to keep it text: {key}='{value}'" if origin is str and isinstance(value, (int, float)) else ""
     raise ConfigError(
-        f"{key} must be {getattr(origin, '__name__', origin)}, got {value!r} ({type(value).__name__})")
+        f"{key} must be {getattr(origin, '__name__', origin)}, got {value!r} ({type(value).__name__}){hint}")
 
 
 def _merge(obj: Any, updates: dict, prefix: str = "") -> None:
@@ -320,8 +321,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
     if d.vocab_size < 8:
         raise ConfigError(f"data.vocab_size must be at least 8 (4 special ids + pieces), got {d.vocab_size}")
-    if d.max_source_len + 2 > m.max_positions or d.max_target_len + 2 > m.max_positions:
-        raise ConfigError("data.max_source_len/max_target_len (+2 for bos/eos) must fit model.max_positions")
     if d.batch_tokens < d.max_source_len + d.max_target_len:
         raise ConfigError(f"data.batch_tokens ({d.batch_tokens}) must hold one full-length pair "
                           f"({d.max_source_len + d.max_target_len} tokens)")
@@ -334,6 +333,35 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"eval.lead_baselines must be a list of positive word counts, got {e.lead_baselines}")
     if not isinstance(d.splits, dict) or "train" not in d.splits:
         raise ConfigError("data.splits must map 'train' (and optionally 'valid', 'test') to source split names")
+    for split, names in d.splits.items():
+        listed = [names] if isinstance(names, str) and names else names
+        if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+            raise ConfigError(f"data.splits.{split} must be a list of source split names, got {names!r} (a YAML "
+                              f"key left empty is null: write {split}: [] for none)")
+    longest = max(_round_up(d.max_source_len, d.pad_multiple), _round_up(d.max_target_len + 1, d.pad_multiple),
+                  e.max_len + 2)
+    if longest > m.max_positions:
+        raise ConfigError(f"model.max_positions ({m.max_positions}) is shorter than the longest sequence these "
+                          f"settings make ({longest}: data.max_source_len/max_target_len padded to "
+                          f"data.pad_multiple={d.pad_multiple}, or eval.max_len + 2); lower those or raise it")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error, not last-wins."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"key '{key}' is given twice in one mapping (line {key_node.start_mark.line + 1}): "
+                                  f"keep one; YAML would silently use the last")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // max(multiple, 1)) * max(multiple, 1)
 
 
 def read_yaml(path: Path) -> dict:
@@ -343,7 +371,7 @@ def read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist (see configs/ for examples)")
     try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        data = yaml.load(path.read_bytes().decode("utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (safe subclass)
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
     except yaml.YAMLError as exc:

@@ -12,7 +12,7 @@ import torch
 from summarizer import checkpoint, runtime
 from summarizer.config import Config
 from summarizer.decoding import decode_all
-from summarizer.errors import CheckpointError, DataError
+from summarizer.errors import CheckpointError, ConfigError, DataError
 from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
 from summarizer.pairs import read_pairs_file
 from summarizer.placement import place_model
@@ -28,7 +28,7 @@ def load_model(path: str | Path, rt: Runtime, meta: dict, quantize: str = "none"
     `quantize` (eval.quantize) says so, and (path, step, quantize as resolved); refused if `meta` (the data
     it will read) has another tokenizer."""
     try:
-        state = checkpoint.load(path)
+        state = checkpoint.require_model(checkpoint.load(path), path)
     except CheckpointError as exc:
         others = [p for p in checkpoint.step_checkpoints(Path(path).parent) if p != Path(path)]
         if not others:
@@ -40,6 +40,14 @@ def load_model(path: str | Path, rt: Runtime, meta: dict, quantize: str = "none"
     if quantize == "int8":
         model = quantize_int8(model, rt.device)
     return place_model(model, rt).eval(), {"path": str(path), "step": state["step"], "quantize": quantize}
+
+
+def check_beam(cfg: Config, meta: dict) -> None:
+    """Beam search keeps the 2K best of the vocabulary at its first step: K can be at most half of it."""
+    if 2 * cfg.eval.beam_size > meta["vocab_size"]:
+        raise ConfigError(f"eval.beam_size={cfg.eval.beam_size} needs a vocabulary of at least "
+                          f"{2 * cfg.eval.beam_size} pieces; this data's has {meta['vocab_size']}: lower "
+                          f"eval.beam_size")
 
 
 def eval_checkpoint(cfg: Config) -> Path:
@@ -109,6 +117,7 @@ def evaluate(cfg: Config) -> dict:
     begun = time.perf_counter()
     rt = runtime.setup(cfg, decoding_precision(cfg))
     meta = read_meta(cfg.data.dir)
+    check_beam(cfg, meta)
     out_dir = Path(cfg.eval.out_dir) if cfg.eval.out_dir else cfg.run_dir
     refuse_overlap(out_dir, [cfg.data.dir] + ([cfg.eval.pairs] if cfg.eval.pairs else []), "eval.out_dir")
     tokenizer = open_tokenizer(cfg.data.dir)

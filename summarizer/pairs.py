@@ -14,6 +14,8 @@ def numbered_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw bytes) of a text file, gunzipped when it ends in .gz; a file that is not
     the gzip it claims to be, or is cut short, is a DataError naming it."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path} is a directory: give a pairs file (.jsonl or .jsonl.gz) inside it")
     if not path.is_file():
         raise DataError(f"{path} does not exist: check the path")
     opener = gzip.open if path.name.endswith(".gz") else open

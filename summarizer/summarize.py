@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 import time
 
@@ -10,21 +11,23 @@ from tqdm import tqdm
 from summarizer import runtime
 from summarizer.config import Config
 from summarizer.decoding import decode_all
-from summarizer.evaluate import eval_checkpoint, load_model, summary_text
+from summarizer.evaluate import check_beam, eval_checkpoint, load_model, summary_text
 from summarizer.prepared import lexicon, open_tokenizer, read_meta
 from summarizer.quantize import decoding_precision
 
+_LINE_END = re.compile(r"\r\n?|\n")
 CHUNK_LINES = 256  # lines read, decoded and written at a time: memory stays constant, output flows
 
 
 def decode_lines(raw_lines, warn) -> list[str]:
-    """Bytes lines -> text; undecodable bytes become U+FFFD and `warn(line_number)` is called for them."""
+    """Bytes lines -> text; undecodable bytes become U+FFFD and `warn(line_number)` is called for them. A line
+    that holds lone CRs (old Mac line ends) is several lines."""
     texts = []
     for number, raw in raw_lines:
         text = raw.decode("utf-8", errors="replace")
         if "\ufffd" in text and "\ufffd".encode() not in raw:
             warn(number)
-        texts.append(text.rstrip("\r\n"))
+        texts += _LINE_END.split(text.rstrip("\r\n"))
     return texts
 
 
@@ -38,6 +41,7 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     """
     rt = runtime.setup(cfg, decoding_precision(cfg))
     meta = read_meta(cfg.data.dir)
+    check_beam(cfg, meta)
     tokenizer = open_tokenizer(cfg.data.dir)
     model, _ = load_model(eval_checkpoint(cfg), rt, meta, cfg.eval.quantize)
     norm = meta["normalization"]

@@ -229,3 +229,55 @@ def test_a_full_disk_at_a_checkpoint_write_is_one_clear_message(trained_run, tmp
     err = capsys.readouterr().err
     assert "cannot write the checkpoint" in err and "ckpt_00000001.pt" in err and "Traceback" not in err
     assert not list((tmp_path / "run").glob("*.tmp")) and not list((tmp_path / "run").glob("*.pt"))
+
+
+def test_each_input_mistake_of_the_second_round_is_one_clear_message(trained_run, tmp_path, capsys):
+    """Each case used to end in a traceback or a misleading message."""
+    import torch
+    tmp, args = trained_run
+    ckpt = tmp_path / "bare.pt"
+    torch.save({"format_version": 2, "model": {}}, ckpt)
+    cases = {
+        "eval.beam_size": ["eval", *args, "eval.beam_size=200", f"eval.out_dir={tmp_path / 'e1'}"],
+        "is a directory: give a .pt file": ["eval", *args, f"eval.checkpoint={tmp / 'run'}",
+                                            f"eval.out_dir={tmp_path / 'e2'}"],
+        "is a directory: give a pairs file": ["eval", *args, f"eval.pairs={tmp_path}",
+                                              f"eval.out_dir={tmp_path / 'e3'}"],
+        "lacks config, data_meta": ["eval", *args, f"eval.checkpoint={ckpt}", f"eval.out_dir={tmp_path / 'e4'}"],
+        "quote it to keep it text: run.name='2024'": ["eval", *args, "run.name=2024"],
+        "data.splits.valid must be a list": ["eval", *args, "data.splits={train: [train], valid: }"],
+        "model.max_positions (512) is shorter": ["eval", *args, "eval.max_len=600"],
+    }
+    for needle, argv in cases.items():
+        assert main(argv) == 2, needle
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, (needle, err)
+
+
+def test_a_file_as_data_source_and_duplicate_yaml_keys_are_named(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("train:\n  lr: 0.001\n  lr: 0.002\n")
+    assert main(["eval", "--config", str(config)]) == 2
+    assert "key 'lr' is given twice" in capsys.readouterr().err
+    pairs = tmp_path / "train.jsonl"
+    pairs.write_text('{"source": "a b c", "target": "a b"}\n')
+    assert prep([f"data.source={pairs}", f"data.dir={tmp_path / 'data'}"]) == 2
+    assert "is a file; give the directory that holds it" in capsys.readouterr().err
+
+
+def test_rush_files_with_a_byte_order_mark_and_cr_only_summarize_input(trained_run, tmp_path, monkeypatch, capsys):
+    from data_prep.sources import load_splits
+    from summarizer.config import load_config
+    (tmp_path / "train.article.txt").write_bytes("\ufeffthe mayor opened a park .\nrain fell .\n".encode())
+    (tmp_path / "train.title.txt").write_bytes("\ufeffmayor opens park\nrain\n".encode())
+    cfg = load_config(None, [f"data.source={tmp_path}", "data.splits={train: [train]}"]).data
+    splits, _, _ = load_splits(cfg, tmp_path / "cache")
+    first = splits["train"][0]
+    assert first["source"] == "the mayor opened a park ." and first["target"] == "mayor opens park"
+    _, args = trained_run
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"the mayor opened a park .\rrain fell .\r")))
+    assert main(["summarize", *args, "eval.beam_size=1"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    monkeypatch.setattr("sys.stdin", None)
+    assert main(["summarize", *args]) == 2
+    assert "standard input, which is closed" in capsys.readouterr().err
