@@ -8,8 +8,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from summarizer.config import DataConfig
 from summarizer.constraints import Lexicon
-from summarizer.errors import DataError
+from summarizer.errors import ConfigError, DataError
 from summarizer.tokenizer import UNK_WORD, Tokenizer
 
 FORMAT_VERSION = 1
@@ -31,6 +32,20 @@ def split_files(split: str) -> dict[str, str]:
     return {"src": f"{split}.src.npy", "src_offsets": f"{split}.src_offsets.npy",
             "tgt": f"{split}.tgt.npy", "tgt_offsets": f"{split}.tgt_offsets.npy",
             "pairs": f"{split}.jsonl"}
+
+
+def check_data_settings(cfg: DataConfig, meta: dict) -> None:
+    """Refuse data.* values that contradict what the prepared dir was made with: normalisation and vocabulary
+    are facts of the prepared data (meta.json), applied from there; a different value would be recorded as if
+    it had been used, and silently not be."""
+    norm = meta.get("normalization", {})
+    recorded = {"lowercase": norm.get("lowercase"), "mask_digits": norm.get("mask_digits"),
+                "vocab_size": meta.get("requested_vocab_size")}
+    wrong = [f"data.{k}={getattr(cfg, k)!r} (prepared with {v!r})" for k, v in recorded.items()
+             if v is not None and getattr(cfg, k) != v]
+    if wrong:
+        raise ConfigError(f"{'; '.join(wrong)} contradicts the prepared data in {cfg.dir}, which is applied as it was "
+                          f"prepared: drop the override, or prepare a new data.dir with it")
 
 
 def valid_split(meta: dict, speed_only: bool = False) -> str:

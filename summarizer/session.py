@@ -19,7 +19,7 @@ from summarizer.monitor import Monitor, write_manifest
 from summarizer.optim import build_optimizer, build_scheduler
 from summarizer.outputs import claim_dir, claim_events_dir, hold_lock
 from summarizer.placement import place_model
-from summarizer.prepared import open_tokenizer, read_meta, valid_split
+from summarizer.prepared import check_data_settings, open_tokenizer, read_meta, valid_split
 from summarizer.resume import check_resume
 from summarizer.runtime import Runtime
 from summarizer.subwords import SegmentationSampler
@@ -139,6 +139,7 @@ def open_session(cfg: Config) -> Session:
     rt = runtime.setup(cfg)
     runtime.seed_everything(cfg.train.seed, cfg.train.deterministic)
     meta, tokenizer = read_meta(cfg.data.dir), open_tokenizer(cfg.data.dir)
+    check_data_settings(cfg.data, meta)
     lock = None
     if rt.is_main:
         claim_dir(cfg.run_dir, "run", "run.dir", legacy=RUN_FILES, also=("overfit",))

@@ -12,7 +12,7 @@ from summarizer import runtime
 from summarizer.config import Config
 from summarizer.decoding import decode_all
 from summarizer.evaluate import check_beam, eval_checkpoint, load_model, summary_text
-from summarizer.prepared import lexicon, open_tokenizer, read_meta
+from summarizer.prepared import check_data_settings, lexicon, open_tokenizer, read_meta
 from summarizer.quantize import decoding_precision
 
 _LINE_END = re.compile(r"\r\n?|\n")
@@ -42,6 +42,7 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     rt = runtime.setup(cfg, decoding_precision(cfg))
     meta = read_meta(cfg.data.dir)
     check_beam(cfg, meta)
+    check_data_settings(cfg.data, meta)
     tokenizer = open_tokenizer(cfg.data.dir)
     model, _ = load_model(eval_checkpoint(cfg), rt, meta, cfg.eval.quantize)
     norm = meta["normalization"]

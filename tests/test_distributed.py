@@ -12,7 +12,8 @@ from summarizer.config import load_config
 from summarizer.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
-EXACT = ["model.d_model=32", "model.ffn_dim=64", "model.encoder_layers=1", "model.decoder_layers=1",
+EXACT = ["data.vocab_size=150", "data.lowercase=false",  # as tiny_prepared was prepared
+         "model.d_model=32", "model.ffn_dim=64", "model.encoder_layers=1", "model.decoder_layers=1",
          "model.dropout=0.0", "train.precision=fp32", "data.num_workers=0", "data.batch_tokens=400",
          "train.max_steps=6", "train.log_every=1", "train.eval_every=3", "train.ckpt_every=3",
          "train.warmup_steps=2", "train.sample_summaries=0"]
@@ -35,10 +36,11 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_pr
         pytest.skip("torchrun is not installed next to this python")
     common = ["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tiny_prepared}",
               f"run.tensorboard_dir={tmp_path / 'tb'}", *EXACT]
-    train(load_config(common[1], common[2:] + [f"run.dir={tmp_path / 'one'}", "train.accum_steps=2"]))
+    train(load_config(common[1], common[2:] + [f"run.dir={tmp_path / 'one'}", "run.name=one",
+                                               "train.accum_steps=2"]))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "-m", "summarizer", "train", *common,
-                           f"run.dir={tmp_path / 'two'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           f"run.dir={tmp_path / 'two'}", "run.name=two"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same(records(tmp_path / "two", "train"), records(tmp_path / "one", "train"))

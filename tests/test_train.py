@@ -14,7 +14,7 @@ from summarizer import runtime, validation
 from summarizer import train as train_mod
 from summarizer.config import load_config
 from summarizer.data import PairDataset, collate
-from summarizer.errors import DataError
+from summarizer.errors import ConfigError, DataError
 from summarizer.model import Seq2Seq
 from summarizer.optim import build_optimizer
 from summarizer.runtime import move_batch
@@ -261,7 +261,7 @@ def test_resuming_on_data_with_another_tokenizer_is_refused(tiny_data, tmp_path)
     other = tmp_path / "other"
     assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={other}", "data.vocab_size=120"]) == 0
     cfg = make_cfg(tiny_data, run, "train.max_steps=10")
-    cfg.data.dir = str(other)
+    cfg.data.dir, cfg.data.vocab_size = str(other), 120
     with pytest.raises(DataError, match="tokenizer mismatch"):
         train_mod.train(cfg)
 
@@ -340,3 +340,9 @@ def test_a_moving_average_longer_than_the_run_is_warned_about(tiny_data, tmp_pat
     assert "averages the weights over about 1000 steps, but this run has 4" in capsys.readouterr().err
     train_mod.train(make_cfg(tiny_data, tmp_path / "run2", "train.max_steps=4", "train.ema_decay=0.2"))
     assert "averages the weights" not in capsys.readouterr().err
+
+
+def test_data_settings_that_contradict_the_prepared_data_are_refused(tiny_data, tmp_path):
+    with pytest.raises(ConfigError, match=r"data.lowercase=False \(prepared with True\).*contradicts the prepared"):
+        train_mod.train(make_cfg(tiny_data, tmp_path / "run", "data.lowercase=false", "data.vocab_size=160"))
+    assert not (tmp_path / "run" / "config.yaml").exists()  # nothing recorded as if it had been used
