@@ -40,7 +40,8 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_pr
                                                "train.accum_steps=2"]))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "-m", "summarizer", "train", *common,
-                           f"run.dir={tmp_path / 'two'}", "run.name=two"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           f"run.dir={tmp_path / 'two'}", "run.name=two"], cwd=ROOT, env=env, capture_output=True,
+                          text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same(records(tmp_path / "two", "train"), records(tmp_path / "one", "train"))
