@@ -38,10 +38,14 @@ test: install
 prep: install
 	$(PY) -m data_prep --config $(CONFIG) $(ARGS)
 
+# train and eval depend on the prepared data as Make targets do on their inputs: a missing data.dir is
+# prepared from data.source first (an existing one is used as it is; `make prep` rebuilds on purpose).
 train: install
+	$(PY) -m data_prep --if-missing --config $(CONFIG) $(ARGS)
 	$(PY) -m summarizer train --config $(CONFIG) $(ARGS)
 
 eval: install
+	$(PY) -m data_prep --if-missing --config $(CONFIG) $(ARGS)
 	$(PY) -m summarizer eval --config $(CONFIG) $(ARGS)
 
 summarize: install

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from data_prep import prepare
 from summarizer.config import load_config
 from summarizer.errors import UserError
+from summarizer.prepared import META_FILE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,9 +17,17 @@ def main(argv: list[str] | None = None) -> int:
         description="Clean raw pairs, train SentencePiece and write memory-mappable token arrays to data.dir.")
     parser.add_argument("--config", metavar="FILE", help="YAML experiment config (defaults apply without one)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.source=DIR data.dir=data/gw")
+    parser.add_argument("--if-missing", action="store_true",
+                        help="prepare only when data.dir holds no prepared data (what `make train` and `make eval` "
+                             "run first); an existing one is used as it is")
     args = parser.parse_args(argv)
     try:
-        prepare(load_config(args.config, args.overrides).data)
+        cfg = load_config(args.config, args.overrides).data
+        if args.if_missing and (Path(cfg.dir) / META_FILE).is_file():
+            return 0
+        if args.if_missing:
+            print(f"{cfg.dir} is not prepared yet: preparing it from data.source={cfg.source!r} first", flush=True)
+        prepare(cfg)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,10 @@
 """Raw pairs from a hub dataset, a directory of split files or a {split: [files]} mapping, via `datasets` builders."""
 from __future__ import annotations
 
+import os
+import socket
+import threading
+import urllib.parse
 from pathlib import Path
 
 import datasets
@@ -147,14 +151,26 @@ def _load_builder(builder: str, path: Path, cache_dir: Path) -> Dataset:
     return ds
 
 
+# Other names the default fields go by (the hub's Gigaword: document/summary; CNN/DM: article). Only the
+# defaults fall back to them: a field named explicitly must exist.
+FIELD_ALIASES = {"source": ("document", "article"), "target": ("summary", "headline", "title")}
+
+
+def _field(ds: Dataset, name: str, key: str, origin: str) -> str:
+    """The column holding data.`key` (`name`, or, for the default name, its first alias present)."""
+    found = [c for c in (name, *FIELD_ALIASES.get(name, ())) if c in ds.column_names]
+    if not found:
+        raise DataError(f"{origin} has no field '{name}' (it has {ds.column_names}): set data.{key} to the right "
+                        f"name")
+    return found[0]
+
+
 def _standardize(ds: Dataset, cfg: DataConfig, origin: str) -> Dataset:
     """Rename the configured fields to source/target/references and cast to FEATURES."""
-    for field, key in ((cfg.source_field, "source_field"), (cfg.target_field, "target_field")):
-        if field not in ds.column_names:
-            raise DataError(f"{origin} has no field '{field}' (it has {ds.column_names}): "
-                            f"set data.{key} to the right name")
+    source_field = _field(ds, cfg.source_field, "source_field", origin)
+    target_field = _field(ds, cfg.target_field, "target_field", origin)
     has_refs = cfg.references_field in ds.column_names
-    keep = [cfg.source_field, cfg.target_field] + ([cfg.references_field] if has_refs else [])
+    keep = [source_field, target_field] + ([cfg.references_field] if has_refs else [])
     ds = ds.select_columns(keep)
     names = zip(keep, ("source", "target", "references")[:len(keep)], strict=True)
     ds = ds.rename_columns({old: new for old, new in names if old != new})
@@ -208,11 +224,45 @@ def load_file(spec: FileSpec, cfg: DataConfig, cache_dir: Path) -> tuple[Dataset
     return ds, info
 
 
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")  # set: use datasets' local cache, never the network
+PROBE_SECONDS = 5
+
+
+def reach_hub(name: str) -> None:
+    """Fail in seconds, with what to do instead, when the hub cannot be reached: otherwise `datasets` retries
+    for minutes and ends in a traceback. Skipped when the user asked for offline use of a cached copy."""
+    if any(os.environ.get(var, "").lower() in ("1", "true", "yes", "on") for var in OFFLINE_VARS):
+        return
+    url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    outcome: list = []
+
+    def probe() -> None:  # in a thread: name resolution has no timeout of its own
+        try:
+            socket.create_connection((host, port), timeout=PROBE_SECONDS).close()
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=probe, daemon=True)
+    worker.start()
+    worker.join(PROBE_SECONDS + 1)
+    problem = outcome[0] if outcome else TimeoutError(f"no answer in {PROBE_SECONDS} s")
+    if problem is not None:
+        raise DataError(f"cannot reach the Hugging Face hub ({host}:{port}: {problem}) to download {name}. "
+                        f"Without a network, point data.source at a local copy (a directory of "
+                        f"{{train,valid,test}}.jsonl[.gz] with source/target fields, or Rush-style "
+                        f"{{split}}.article.txt + .title.txt), e.g. ARGS=\"data.source=DIR\"; or try `make smoke` "
+                        f"on the bundled fixture. With a cached copy, set HF_HUB_OFFLINE=1")
+
+
 def load_hub(source: str, cache_dir: Path) -> datasets.DatasetDict:
     """hf:NAME[:SUBSET] -> the hub's DatasetDict, with its own split names and columns."""
     name, _, subset = source[len("hf:"):].partition(":")
     if not name:
         raise ConfigError(f"data.source={source!r} names no dataset: write hf:NAME or hf:NAME:SUBSET")
+    if not Path(name).exists():  # a local dataset directory or script needs no network
+        reach_hub(name)
     try:
         try:
             return datasets.load_dataset(name, subset or None, cache_dir=str(cache_dir))

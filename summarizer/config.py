@@ -53,8 +53,8 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    source: Any = key("", resume=True)  # "hf:NAME[:SUBSET]", a directory, or {split: [files]}
-    dir: str = key("data/gigaword_sample", resume=True, bookkeeping=True)
+    source: Any = key("hf:Harvard/gigaword", resume=True)  # "hf:NAME[:SUBSET]", a directory, or {split: [files]}
+    dir: str = key("data/gigaword", resume=True, bookkeeping=True)
     source_field: str = key("source", resume=True)
     target_field: str = key("target", resume=True)
     references_field: str = key("references", resume=True)

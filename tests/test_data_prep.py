@@ -69,6 +69,7 @@ def test_hub_source_goes_through_load_dataset(tmp_path, monkeypatch):
                                      for split in ("train", "validation", "test")})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr("data_prep.sources.reach_hub", lambda name: None)  # as if online
     cfg = data_config(tmp_path / "prep", "data.source=hf:fake/gigaword:default",
                       "data.source_field=document", "data.target_field=summary")
     meta = prepare(cfg)
@@ -282,6 +283,7 @@ def test_script_only_hub_repo_falls_back_to_the_parquet_conversion(tmp_path, mon
         return datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr("data_prep.sources.reach_hub", lambda name: None)  # as if online
     meta = prepare(data_config(tmp_path / "prep", "data.source=hf:Harvard/gigaword",
                                "data.source_field=document", "data.target_field=summary"))
     assert calls == [None, "refs/convert/parquet"] and meta["splits"]["train"]["pairs"] == 1
@@ -354,3 +356,40 @@ def test_a_filter_on_a_field_the_file_lacks_is_refused(tmp_path):
     cfg.source = {"train": [{"path": str(plain), "filter": {"prose": True}}]}
     with pytest.raises(DataError, match="no field 'prose' to filter on"):
         prepare(cfg)
+
+
+def test_the_hub_path_reads_a_local_dataset_directory_without_a_network(tmp_path, monkeypatch):
+    """`datasets.load_dataset` itself, on local files laid out as a hub repo (Gigaword's column names)."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # no hub reachable: a local path must not need one
+    repo = tmp_path / "gigaword"
+    repo.mkdir()
+    _write_jsonl(repo / "train.jsonl", [{"document": f"the mayor opened park number {i} .", "summary": "park opens"}
+                                        for i in range(6)])
+    _write_jsonl(repo / "test.jsonl", [{"document": "rain fell on monday .", "summary": "rain falls"}])
+    meta = prepare(data_config(tmp_path / "prep", f"data.source=hf:{repo}", "data.source_field=document",
+                               "data.target_field=summary", "data.vocab_size=40"))
+    assert meta["splits"]["train"]["pairs"] == 6 and meta["splits"]["test"]["pairs"] == 1
+
+
+def test_without_a_network_the_hub_source_fails_in_seconds_saying_what_to_do(tmp_path, monkeypatch):
+    import time
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a port nothing listens on: refused at once
+    started = time.monotonic()
+    with pytest.raises(DataError, match=r"cannot reach the Hugging Face hub \(127.0.0.1:9.*data.source=DIR.*smoke"):
+        prepare(data_config(tmp_path / "prep", "data.source=hf:Harvard/gigaword"))
+    assert time.monotonic() - started < 10
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline on purpose: no probe, datasets' cache decides
+    from data_prep.sources import reach_hub
+    reach_hub("Harvard/gigaword")
+
+
+def test_if_missing_prepares_only_an_unprepared_dir(tmp_path, capsys):
+    """What `make train` and `make eval` run first: a missing data.dir is prepared, an existing one is used as it
+    is (even when data.source now says something else: rebuilding is `make prep`'s job)."""
+    args = ["--if-missing", f"data.dir={tmp_path}", f"data.source={ASSETS / 'rush'}", "data.vocab_size=64",
+            "data.num_proc=1", "data.valid_holdout=0"]
+    assert main(args) == 0
+    assert "not prepared yet" in capsys.readouterr().out and (tmp_path / "meta.json").is_file()
+    before = (tmp_path / "meta.json").read_text()
+    assert main([*args[:2], "data.source=/nowhere", "data.vocab_size=99"]) == 0
+    assert capsys.readouterr().out == "" and (tmp_path / "meta.json").read_text() == before
