@@ -163,6 +163,7 @@ class EvalConfig:
     bootstrap_samples: int = key(1000, above=0)
     limit: int = key(0, low=0)  # decode only the first N pairs; 0 = all
     pairs: str = ""  # a pairs file (.jsonl[.gz]: source, target, optional references) to score instead of `split`
+    readable: bool = True  # summarize prints headlines for people (case, punctuation, no <unk>); false: as scored
     truncate_bytes: int = key(0, low=0)  # >0: cut summaries to this many UTF-8 bytes and report ROUGE recall (DUC: 75)
 
 

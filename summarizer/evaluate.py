@@ -18,6 +18,7 @@ from summarizer.pairs import read_pairs_file
 from summarizer.placement import place_model
 from summarizer.prepared import lexicon, load_split, open_tokenizer, read_meta, read_pairs, training_words
 from summarizer.quantize import decoding_precision, quantize_int8, resolve_quantize
+from summarizer.readable import readable
 from summarizer.runtime import Runtime
 from summarizer.scoring import quality, rouge_report, truncate_bytes, words
 from summarizer.tokenizer import Tokenizer, normalize, restore_digits
@@ -55,12 +56,15 @@ def eval_checkpoint(cfg: Config) -> Path:
     return Path(cfg.eval.checkpoint) if cfg.eval.checkpoint else cfg.run_dir / checkpoint.BEST
 
 
-def summary_text(ids: list[int], source: str, tokenizer: Tokenizer, meta: dict, limit: int) -> str:
-    """A decoded summary as users and scorers see it: masked digits put back from its source, cut to
-    the whole words that fit in `limit` bytes (eval.truncate_bytes; 0 = whole)."""
+def summary_text(ids: list[int], source: str, tokenizer: Tokenizer, meta: dict, limit: int,
+                 for_people: bool = False) -> str:
+    """A decoded summary as scorers (or, `for_people`, readers: summarizer/readable.py) see it: masked digits put
+    back from its source, cut to the whole words that fit in `limit` bytes (eval.truncate_bytes; 0 = whole)."""
     text = tokenizer.decode(ids)
     if meta["normalization"]["mask_digits"]:
         text = restore_digits(text, source)
+    if for_people:
+        text = readable(text, source, tokenizer, meta["normalization"])
     return truncate_bytes(text.replace("\n", " "), limit, whole_words=True)
 
 
@@ -130,6 +134,8 @@ def evaluate(cfg: Config) -> dict:
     seconds = time.perf_counter() - started
     predictions = [summary_text(h, p["source"], tokenizer, meta, cfg.eval.truncate_bytes)
                    for h, p in zip(hyps, pairs, strict=True)]
+    for_people = [summary_text(h, p["source"], tokenizer, meta, cfg.eval.truncate_bytes, for_people=True)
+                  for h, p in zip(hyps, pairs, strict=True)]
     report = score(cfg, meta, pairs, predictions)
     report["settings"] = settings(cfg, name, len(pairs), source, rt.precision)
     report["sentences_per_s"] = len(pairs) / seconds  # decoding alone, as other toolkits time it
@@ -137,6 +143,7 @@ def evaluate(cfg: Config) -> dict:
     # rouge.json names the predictions it scored: the old one goes first and the new one is written last, so
     # a failure in between leaves predictions without a report, never a report beside other predictions.
     (out_dir / "rouge.json").unlink(missing_ok=True)
+    atomic_write(out_dir / "predictions.readable.txt", "".join(p + "\n" for p in for_people))
     atomic_write(out_dir / "predictions.txt", "".join(p + "\n" for p in predictions))
     atomic_write(out_dir / "rouge.json", json.dumps(report, indent=2))
     print(summary_line(report, out_dir), file=sys.stderr)

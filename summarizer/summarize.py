@@ -56,8 +56,8 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     while chunk := decode_lines(itertools.islice(numbered, CHUNK_LINES), warn):
         sources = [tokenizer.encode_raw(text, norm)[:cfg.data.max_source_len] for text in chunk]
         hyps = decode_all(model, sources, cfg.eval, rt, lexicon=lexicon(cfg.data.dir))
-        stdout.write("".join((summary_text(h, text, tokenizer, meta, cfg.eval.truncate_bytes) if text.strip() else "")
-                             + "\n" for text, h in zip(chunk, hyps, strict=True)))
+        stdout.write("".join((summary_text(h, text, tokenizer, meta, cfg.eval.truncate_bytes, cfg.eval.readable)
+                              if text.strip() else "") + "\n" for text, h in zip(chunk, hyps, strict=True)))
         stdout.flush()
         lines += len(chunk)
         bar.update(len(chunk))
