@@ -20,12 +20,14 @@ def test_invalid_devices_are_refused_clearly(name, message):
         runtime.resolve_device(name)
 
 
-def test_precision_resolution_on_cpu():
+@pytest.mark.parametrize("host_bf16", [False, True], ids=["fp32-host", "bf16-host"])
+def test_precision_resolution_on_cpu(monkeypatch, capsys, host_bf16):
     cpu = torch.device("cpu")
-    assert runtime.resolve_precision("auto", cpu) == ("bf16" if runtime.cpu_has_fast_bf16() else "fp32")
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: host_bf16)
+    assert runtime.resolve_precision("auto", cpu) == ("bf16" if host_bf16 else "fp32")
     assert runtime.resolve_precision("bf16", cpu) == "bf16"
-    with pytest.raises(ConfigError, match="fp16 is a CUDA mode"):
-        runtime.resolve_precision("fp16", cpu)
+    assert runtime.resolve_precision("fp16", cpu) == "fp16"  # for testing the loss-scaling path
+    assert "fp16 on a CPU is slow" in capsys.readouterr().err
 
 
 def test_seeding_makes_runs_repeatable():
@@ -111,3 +113,32 @@ def test_cpu_kernel_cache_keeps_the_kernels_of_recurring_shapes():
     assert [("cache_hit" in line) for line in lookups] == [False] * 20 + [True] * 20
     # Each shape needs a convolution and its layout reorders: two kept kernels evict every one.
     assert not any("cache_hit" in line for line in _conv_kernel_lookups(2))
+
+
+def test_fp16_loss_scaling_runs_on_the_cpu():
+    """GradScaler("cpu"): gradients are unscaled before clipping (the logged norm is the true one), a step with
+    an inf gradient is skipped and the scale backs off, and the next finite step updates the weights."""
+    from summarizer.config import Config, ModelConfig, TrainConfig
+    from summarizer.model import Seq2Seq
+    from summarizer.train import train_step
+    torch.manual_seed(0)
+    cfg = Config()
+    cfg.train.precision = "fp16"
+    rt = runtime.setup(cfg, "fp16")
+    model = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32), 30)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = runtime.make_scaler(rt)
+    assert scaler.is_enabled() and scaler.get_scale() == 2.0**16
+    src = torch.randint(4, 30, (2, 6))
+    tgt = torch.randint(4, 30, (2, 5))
+    batch = {"src_ids": src, "tgt_in": tgt[:, :-1], "tgt_out": tgt[:, 1:], "n_tgt": 8, "n_src": 12}
+    tcfg = TrainConfig(clip_norm=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    poisoned = model.embedding.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    out = train_step(model, optimizer, scaler, [batch], rt, tcfg)
+    poisoned.remove()
+    assert not out["finite"] and scaler.get_scale() == 2.0**15  # backed off by half
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # skipped
+    out = train_step(model, optimizer, scaler, [batch], rt, tcfg)
+    assert out["finite"] and float(out["grad_norm"]) < 100  # unscaled: the scale is 32768
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
