@@ -16,6 +16,7 @@ from summarizer.config import Config, TrainConfig
 from summarizer.errors import UserError
 from summarizer.losses import smoothed_nll
 from summarizer.monitor import Profiler, Window, flatten, memory_report
+from summarizer.nonfinite import first_nonfinite
 from summarizer.runtime import Runtime, move_batch
 from summarizer.session import Session, open_session
 from summarizer.validation import validate
@@ -197,14 +198,18 @@ def step_once(s: Session, cfg: Config, fetched: list, data_s: float, loop: Loop)
     progress.update(step=progress["step"] + 1, epoch=epoch, position=position,
                     elapsed_s=time.perf_counter() - loop.started)
     window.add(out, micro, data_s)
-    del micro, fetched  # free this step's batch before the next one is fetched
     overflow = s.scaler.is_enabled() and s.scaler.get_scale() >= 1.0  # fp16 scale search, not a fault
     loop.bad_in_row = 0 if out["finite"] or overflow else loop.bad_in_row + 1
+    if loop.bad_in_row:
+        where = first_nonfinite(s.model, micro, rt, t)
+        s.monitor.write(f"step {progress['step']}: non-finite loss or gradients, step skipped (batch {position} of "
+                        f"epoch {epoch} in the data order); the first NaN/inf: {where}")
+    del micro, fetched  # free this step's batch before the next one is fetched
     if loop.bad_in_row >= t.max_bad_steps:
         raise TrainingAborted(
             f"{loop.bad_in_row} optimizer steps in a row had non-finite loss or gradients (step "
-            f"{progress['step']}); lower train.lr (now {t.lr}), raise train.warmup_steps, keep "
-            f"train.clip_norm > 0, or use train.precision=fp32 to rule out overflow")
+            f"{progress['step']}; the first NaN/inf: {where}); lower train.lr (now {t.lr}), raise "
+            f"train.warmup_steps, keep train.clip_norm > 0, or use train.precision=fp32 to rule out overflow")
     s.monitor.advance()
     if loop.profiler:
         loop.profiler.step(progress["step"])

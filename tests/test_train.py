@@ -346,3 +346,37 @@ def test_data_settings_that_contradict_the_prepared_data_are_refused(tiny_data, 
     with pytest.raises(ConfigError, match=r"data.lowercase=False \(prepared with True\).*contradicts the prepared"):
         train_mod.train(make_cfg(tiny_data, tmp_path / "run", "data.lowercase=false", "data.vocab_size=160"))
     assert not (tmp_path / "run" / "config.yaml").exists()  # nothing recorded as if it had been used
+
+
+def test_the_first_non_finite_value_is_named_by_module(tiny_data, tmp_path, monkeypatch):
+    """An injected fault: one feed-forward block's output turns NaN. The step is skipped, the log names the module
+    and the batch's place in the data order, and the abort (max_bad_steps) repeats it."""
+    from summarizer import session as session_mod
+    from summarizer.train import TrainingAborted
+    build = session_mod.build
+
+    def poisoned(*args, **kwargs):
+        model, optimizer, scaler = build(*args, **kwargs)
+        model.decoder_layers[-1].ffn.register_forward_hook(lambda m, i, out: out * float("nan"))
+        return model, optimizer, scaler
+    monkeypatch.setattr(session_mod, "build", poisoned)
+    run = tmp_path / "run"
+    with pytest.raises(TrainingAborted, match=r"the first NaN/inf: decoder_layers\.\d\.ffn \(forward: its output\)"):
+        train_mod.train(make_cfg(tiny_data, run, "train.max_steps=5", "train.max_bad_steps=2"))
+    assert not (run / "latest.json").exists()  # nothing trained, nothing written as if it had
+
+
+def test_a_nan_gradient_is_traced_to_its_module_in_backward():
+    from summarizer.config import Config, ModelConfig
+    from summarizer.model import Seq2Seq
+    from summarizer.nonfinite import first_nonfinite
+    model = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32), 30)
+    def poison(module, inputs, output):  # the gradient reaching the encoder's first layer's output turns NaN
+        output.register_hook(lambda grad: grad * float("nan"))
+    model.encoder_layers[0].register_forward_hook(poison)
+    src, tgt = torch.randint(4, 30, (2, 6)), torch.randint(4, 30, (2, 5))
+    batch = {"src_ids": src, "tgt_in": tgt[:, :-1], "tgt_out": tgt[:, 1:]}
+    rt = runtime.setup(Config(), "fp32")
+    where = first_nonfinite(model, [batch], rt, Config().train)
+    assert where == "encoder_layers.0 (backward: the gradient of its output)"
+    assert all(p.grad is None for p in model.parameters())  # nothing left behind for the optimizer
