@@ -139,6 +139,7 @@ class TrainConfig:
     patience: int = key(0, low=0, resume=True)  # evaluations without improvement before stopping; 0 = off
     ckpt_every: int = key(500, above=0, resume=True)
     keep_last: int = key(2, above=0, resume=True)
+    peak_flops: float = key(0.0, low=0, resume=True)  # FLOP/s per device that MFU is measured against; 0 = look up
     profile_steps: int = key(0, low=0, resume=True)  # >0: torch.profiler trace of this many steps
     sample_summaries: int = key(3, low=0, resume=True)  # text samples logged to TensorBoard at each eval
 

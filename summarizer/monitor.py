@@ -182,17 +182,20 @@ class Window:
     """Sums between two log points, kept as device tensors so logging costs one sync per interval;
     under DDP every rank calls `summary` at the same step and the sums are all-reduced there."""
 
-    def __init__(self, rt, clock=time.perf_counter):
-        self.rt, self.device, self.clock = rt, rt.device, clock
+    def __init__(self, rt, clock=time.perf_counter, peak_flops: float = 0.0):
+        self.rt, self.device, self.clock, self.peak = rt, rt.device, clock, peak_flops
         self.reset()
 
     def reset(self) -> None:
         self.steps, self.data_s, self.skipped, self.tokens = 0, 0.0, 0, 0
+        self.flops, self.padded_flops = 0, 0  # model FLOPs of real tokens; FLOPs computed on padded shapes
         self.sums = torch.zeros(2, device=self.device)  # nll / global tokens, loss / global tokens
         self.started = self.clock()
 
-    def add(self, out: dict, micro_batches: list[dict], data_s: float) -> None:
+    def add(self, out: dict, micro_batches: list[dict], data_s: float, flops: tuple[int, int] = (0, 0)) -> None:
         self.steps += 1
+        self.flops += flops[0]
+        self.padded_flops += flops[1]
         self.data_s += data_s
         self.skipped += not out["finite"]
         self.tokens += sum(b["n_src"] + b["n_tgt"] for b in micro_batches)
@@ -200,13 +203,20 @@ class Window:
 
     def summary(self, lr: float, grad_norm: torch.Tensor) -> dict:
         from summarizer.runtime import all_reduce_sum
-        sums = torch.cat([self.sums, torch.tensor([float(self.tokens)], device=self.device)])
-        nll, loss, tokens = all_reduce_sum(sums, self.rt).tolist()  # the one host sync
+        counts = torch.tensor([float(self.tokens), float(self.flops), float(self.padded_flops)], device=self.device)
+        nll, loss, tokens, flops, padded = all_reduce_sum(torch.cat([self.sums, counts]), self.rt).tolist()  # one sync
         seconds = self.clock() - self.started
         steps = max(self.steps, 1)
-        return {"loss": nll / steps, "smoothed_loss": loss / steps, "lr": lr, "grad_norm": grad_norm.item(),
-                "tokens_per_s": tokens / seconds, "step_s": seconds / steps, "data_wait": self.data_s / seconds,
-                "skipped_steps": self.skipped, "peak_memory_mb": max(peak_memory_mb(d) for d in self.rt.devices)}
+        summary = {"loss": nll / steps, "smoothed_loss": loss / steps, "lr": lr, "grad_norm": grad_norm.item(),
+                   "tokens_per_s": tokens / seconds, "step_s": seconds / steps, "data_wait": self.data_s / seconds,
+                   "skipped_steps": self.skipped,
+                   "peak_memory_mb": max(peak_memory_mb(d) for d in self.rt.devices)}
+        if flops:  # summarizer/flops.py: FLOPs of the real tokens; MFU against one device's peak, per device
+            summary["model_flops_per_s"] = flops / seconds
+            summary["mfu"] = flops / seconds / self.rt.world_size / self.peak if self.peak else 0.0
+            summary["pad_flops_share"] = 1.0 - flops / padded if padded else 0.0
+            summary["train_flops"] = flops  # of this interval; report sums them
+        return summary
 
 
 class Profiler:

@@ -14,6 +14,7 @@ from torch import nn
 from summarizer import checkpoint, runtime
 from summarizer.config import Config, TrainConfig
 from summarizer.errors import UserError
+from summarizer.flops import batch_flops, peak_flops
 from summarizer.losses import smoothed_nll
 from summarizer.monitor import Profiler, Window, flatten, memory_report
 from summarizer.nonfinite import first_nonfinite
@@ -163,7 +164,9 @@ def train(cfg: Config) -> dict:
     profiler = Profiler(t.profile_steps, cfg.tensorboard_dir / "profile", cfg.run_dir / "profile.txt",
                         any(d.type == "cuda" for d in rt.devices)) if t.profile_steps > 0 and rt.is_main else None
     stop, children = StopFlag(), ChildSignals()
-    loop = Loop(stop, Window(rt), profiler, time.perf_counter() - progress["elapsed_s"])
+    peak, origin = peak_flops(rt.device, rt.precision, t.peak_flops)
+    s.monitor.write(f"peak for MFU: {peak / 1e12:.3g} TFLOP/s per device, {origin}")
+    loop = Loop(stop, Window(rt, peak_flops=peak), profiler, time.perf_counter() - progress["elapsed_s"])
     try:
         while progress["step"] < t.max_steps:
             t0 = time.perf_counter()
@@ -197,7 +200,8 @@ def step_once(s: Session, cfg: Config, fetched: list, data_s: float, loop: Loop)
         s.ema.update_parameters(runtime.unwrap(s.model))
     progress.update(step=progress["step"] + 1, epoch=epoch, position=position,
                     elapsed_s=time.perf_counter() - loop.started)
-    window.add(out, micro, data_s)
+    flops = [batch_flops(s.model_cfg, s.meta["vocab_size"], batch) for batch, _, _ in fetched]  # CPU tensors
+    window.add(out, micro, data_s, (sum(f[0] for f in flops), sum(f[1] for f in flops)))
     overflow = s.scaler.is_enabled() and s.scaler.get_scale() >= 1.0  # fp16 scale search, not a fault
     loop.bad_in_row = 0 if out["finite"] or overflow else loop.bad_in_row + 1
     if loop.bad_in_row:

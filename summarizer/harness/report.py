@@ -21,7 +21,7 @@ DEFAULT_ROOT = Path("checkpoints")
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "configs" / "base.yaml"
 IGNORED_SECTIONS = ("bench", "overfit")  # sections `train` does not read
 COLUMNS = ("run", "differs from recipe", "steps", "minutes", "precision", "device", "commit", "eval",
-           "ROUGE-1", "ROUGE-2", "ROUGE-L", "sentences/s")
+           "ROUGE-1", "ROUGE-2", "ROUGE-L", "sentences/s", "train PFLOP")
 
 
 class ReportError(UserError):
@@ -134,7 +134,14 @@ def run_row(run_dir: Path, recipe: dict) -> dict:
             "steps": steps, "minutes": progress["elapsed_s"] / 60 if "elapsed_s" in progress else None,
             "precision": manifest.get("precision"), "device": ", ".join(devices) or None,
             "world_size": manifest.get("world_size"), "commit": manifest.get("git_commit") or None,
-            "dirty": manifest.get("git_dirty"), **_rouge(run_dir, records)}
+            "dirty": manifest.get("git_dirty"), "train_flops": _train_flops(records), **_rouge(run_dir, records)}
+
+
+def _train_flops(records: list[dict]) -> float | None:
+    """Model FLOPs the run trained with (summarizer/flops.py: real tokens, forward + backward), so cost compares
+    in FLOPs across machines, not minutes; None for runs that did not log them."""
+    logged = [r["train_flops"] for r in records if r.get("split") == "train" and "train_flops" in r]
+    return float(sum(logged)) if logged else None
 
 
 def find_run_dirs(dirs: list[str], root: Path) -> list[Path]:
@@ -186,7 +193,8 @@ def markdown_cells(row: dict) -> list[str]:
             f"{row['steps']:,}" if row["steps"] is not None else "—",
             f"{row['minutes']:.1f}" if row["minutes"] is not None else "—", row["precision"] or "—", device,
             commit, evaluated, *(_cell(row, kind) for kind in ROUGE_TYPES),
-            f"{row['sentences_per_s']:.0f}" if row.get("sentences_per_s") else "—"]
+            f"{row['sentences_per_s']:.0f}" if row.get("sentences_per_s") else "—",
+            f"{row['train_flops'] / 1e15:.3g}" if row.get("train_flops") else "—"]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -202,7 +210,7 @@ def csv_text(rows: list[dict]) -> str:
               "rouge_from", "eval_split", "eval_pairs", "valid_step"]
     for kind in ROUGE_TYPES:
         fields += [kind, f"{kind}_low", f"{kind}_high"]
-    fields.append("sentences_per_s")
+    fields += ["sentences_per_s", "train_flops"]
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()

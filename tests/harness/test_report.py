@@ -58,7 +58,8 @@ def test_markdown_table_shows_diff_progress_provenance_and_rouge(runs, capsys):
     assert cells[1] == "model.copy=false, train.lr=0.002"  # no run.*/data.dir bookkeeping, no bench section
     assert cells[2:5] == ["300", "12.5", "bf16"]
     assert cells[6].endswith("(dirty)") or len(cells[6]) == 8  # commit of this checkout, dirty or not
-    assert cells[7:] == ["test (2000)", "35.7 [34.5–36.8]", "15.9 [14.7–17.0]", "33.5 [32.3–34.6]", "103"]
+    assert cells[7:] == ["test (2000)", "35.7 [34.5–36.8]", "15.9 [14.7–17.0]", "33.5 [32.3–34.6]", "103",
+                         "—"]  # a run without FLOPs logged
     assert "note: skipped" in captured.err and "junk" in captured.err and "seeds_x" not in captured.err
 
 
