@@ -70,7 +70,9 @@ def measured_peak(device: torch.device, precision: str, seconds: float = 0.3) ->
     figure applies (CPUs), measured once per process."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     n = 1024
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    own = torch.Generator(device=device).manual_seed(0)  # never the run's random stream: resume stays exact
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=own)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=own)
     a @ b  # warm-up: kernel selection
     if device.type == "cuda":
         torch.cuda.synchronize(device)

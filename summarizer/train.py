@@ -123,21 +123,21 @@ def worker_died(exc: RuntimeError) -> bool:
 
 
 def next_batches(s: Session, cfg: Config, children: ChildSignals) -> list:
-    """The step's micro-batches, or, when a DataLoader worker died (the OOM killer's SIGKILL is the usual cause),
-    a checkpoint of the last completed step (its weights and data position are intact) and a clear abort."""
-    try:
-        children.deliver()
-        return [next(s.stream) for _ in range(cfg.train.accum_steps)]
-    except RuntimeError as exc:
-        if not worker_died(exc):
-            raise
-        if s.rt.is_main:
-            checkpoint.save_step(s.snapshot(), cfg.run_dir, cfg.train.keep_last)
-        raise TrainingAborted(
-            f"{exc} (step {s.progress['step']}). When a worker is killed by SIGKILL it is usually the system's "
-            f"out-of-memory killer: lower data.num_workers (now {cfg.data.num_workers}) or data.prefetch_factor "
-            f"(now {cfg.data.prefetch_factor}), or free memory. The last completed step was checkpointed; run the "
-            f"same command again to resume exactly.") from None
+    """The step's micro-batches (first acting on a worker's death noticed during the last step)."""
+    children.deliver()
+    return [next(s.stream) for _ in range(cfg.train.accum_steps)]
+
+
+def abort_for_dead_worker(s: Session, cfg: Config, exc: RuntimeError) -> None:
+    """A DataLoader worker died (the OOM killer's SIGKILL is the usual cause). This is only ever raised between
+    steps (ChildSignals), where weights and data position agree: checkpoint them, then abort clearly."""
+    if s.rt.is_main:
+        checkpoint.save_step(s.snapshot(), cfg.run_dir, cfg.train.keep_last)
+    raise TrainingAborted(
+        f"{exc} (step {s.progress['step']}). When a worker is killed by SIGKILL it is usually the system's "
+        f"out-of-memory killer: lower data.num_workers (now {cfg.data.num_workers}) or data.prefetch_factor "
+        f"(now {cfg.data.prefetch_factor}), or free memory. The last completed step was checkpointed; run the "
+        f"same command again to resume exactly.") from None
 
 
 def _agree(flag: bool, rt: Runtime) -> bool:
@@ -168,12 +168,17 @@ def train(cfg: Config) -> dict:
     s.monitor.write(f"peak for MFU: {peak / 1e12:.3g} TFLOP/s per device, {origin}")
     loop = Loop(stop, Window(rt, peak_flops=peak), profiler, time.perf_counter() - progress["elapsed_s"])
     try:
-        while progress["step"] < t.max_steps:
-            t0 = time.perf_counter()
-            fetched = next_batches(s, cfg, children)
-            with children.deferred():
-                if step_once(s, cfg, fetched, time.perf_counter() - t0, loop):
-                    break
+        try:
+            while progress["step"] < t.max_steps:
+                t0 = time.perf_counter()
+                fetched = next_batches(s, cfg, children)
+                with children.deferred():
+                    if step_once(s, cfg, fetched, time.perf_counter() - t0, loop):
+                        break
+        except RuntimeError as exc:
+            if not worker_died(exc):
+                raise
+            abort_for_dead_worker(s, cfg, exc)
         best = progress["best"] or {"metric": t.select_by, "value": float("nan")}
         s.monitor.hparams(flatten(cfg), {f"best/{best['metric']}": best["value"], "hparam/steps": progress["step"]})
     finally:
