@@ -121,11 +121,6 @@ class Session:
     rouge_pairs: list | None = None  # the valid pairs ROUGE is measured on during training, read once
 
     @property
-    def model_cfg(self):
-        """The architecture being trained (a resumed run's equals its checkpoint's: resume refuses changes)."""
-        return self.cfg.model
-
-    @property
     def eval_model(self) -> nn.Module:
         """The weights validation scores and best.pt keeps: the moving average, if one is kept."""
         return self.ema.module if self.ema is not None else runtime.unwrap(self.model)

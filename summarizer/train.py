@@ -205,7 +205,7 @@ def step_once(s: Session, cfg: Config, fetched: list, data_s: float, loop: Loop)
         s.ema.update_parameters(runtime.unwrap(s.model))
     progress.update(step=progress["step"] + 1, epoch=epoch, position=position,
                     elapsed_s=time.perf_counter() - loop.started)
-    flops = [batch_flops(s.model_cfg, s.meta["vocab_size"], batch) for batch, _, _ in fetched]  # CPU tensors
+    flops = [batch_flops(s.cfg.model, s.meta["vocab_size"], batch) for batch, _, _ in fetched]  # CPU tensors
     window.add(out, micro, data_s, (sum(f[0] for f in flops), sum(f[1] for f in flops)))
     overflow = s.scaler.is_enabled() and s.scaler.get_scale() >= 1.0  # fp16 scale search, not a fault
     loop.bad_in_row = 0 if out["finite"] or overflow else loop.bad_in_row + 1
