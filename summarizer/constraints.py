@@ -20,6 +20,7 @@ from torch import Tensor
 from summarizer.tokenizer import BOS, EOS, PAD, UNK, Tokenizer
 
 WORD_START = "\u2581"  # SentencePiece's word-start marker
+UNKNOWN_TEXT = "\u2047"  # an UNK piece's text in a word (how SentencePiece writes it)
 
 
 class Lexicon:
@@ -33,6 +34,10 @@ class Lexicon:
         self.vocab_size = len(pieces)
         self.starts_word = [p.startswith(WORD_START) and i not in special for i, p in enumerate(pieces)]
         self.text = ["" if i in special else p.replace(WORD_START, "") for i, p in enumerate(pieces)]
+        # A character outside the vocabulary is an UNK piece inside its word: a source word holding one may be
+        # copied whole (the UNK written back as the source's own character: evaluate.summary_text), never
+        # spelled without it, and no known word holds one.
+        self.text[UNK] = UNKNOWN_TEXT
         self.piece_bytes = torch.tensor([len(p.replace(WORD_START, " ").encode()) if i not in special else 0
                                          for i, p in enumerate(pieces)], dtype=torch.float32)
         self.children: list[dict[int, int]] = [{}]
@@ -54,7 +59,7 @@ class Lexicon:
         self.known_starts[list(self.children[0])] = True
 
     def _insert(self, ids: list[int]) -> None:
-        if not ids or not self.starts_word[ids[0]] or any(not self.text[i] for i in ids[1:]):
+        if not ids or not self.starts_word[ids[0]] or UNK in ids or any(not self.text[i] for i in ids[1:]):
             return  # not a word of pieces (a character outside the vocabulary became UNK)
         node = 0
         for i in ids:

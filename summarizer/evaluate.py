@@ -11,7 +11,7 @@ import torch
 
 from summarizer import checkpoint, runtime
 from summarizer.config import Config
-from summarizer.decoding import decode_all
+from summarizer.decoding import copied_unknowns, decode_all
 from summarizer.errors import CheckpointError, ConfigError, DataError
 from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
 from summarizer.pairs import read_pairs_file
@@ -57,14 +57,21 @@ def eval_checkpoint(cfg: Config) -> Path:
 
 
 def summary_text(ids: list[int], source: str, tokenizer: Tokenizer, meta: dict, limit: int,
-                 for_people: bool = False) -> str:
-    """A decoded summary as scorers (or, `for_people`, readers: summarizer/readable.py) see it: masked digits put
-    back from its source, cut to the whole words that fit in `limit` bytes (eval.truncate_bytes; 0 = whole)."""
-    text = tokenizer.decode(ids)
-    if meta["normalization"]["mask_digits"]:
+                 copied: dict[int, int] | None = None) -> str:
+    """A decoded summary as scorers see it (or, given `copied` from decoding.copied_unknowns, as readers do:
+    each unknown piece written as the source characters it was copied from, and summarizer/readable.py):
+    masked digits put back from its source, cut to the whole words that fit in `limit` bytes
+    (eval.truncate_bytes; 0 = whole)."""
+    norm = meta["normalization"]
+    if copied is None:
+        text = tokenizer.decode(ids)
+    else:
+        pieces = tokenizer.pieces(normalize(source, norm["lowercase"], norm["mask_digits"]))
+        text = tokenizer.decode(ids, {t: pieces[s] for t, s in copied.items() if s < len(pieces)})
+    if norm["mask_digits"]:
         text = restore_digits(text, source)
-    if for_people:
-        text = readable(text, source, tokenizer, meta["normalization"])
+    if copied is not None:
+        text = readable(text, source)
     return truncate_bytes(text.replace("\n", " "), limit, whole_words=True)
 
 
@@ -134,8 +141,8 @@ def evaluate(cfg: Config) -> dict:
     seconds = time.perf_counter() - started
     predictions = [summary_text(h, p["source"], tokenizer, meta, cfg.eval.truncate_bytes)
                    for h, p in zip(hyps, pairs, strict=True)]
-    for_people = [summary_text(h, p["source"], tokenizer, meta, cfg.eval.truncate_bytes, for_people=True)
-                  for h, p in zip(hyps, pairs, strict=True)]
+    for_people = [summary_text(h, p["source"], tokenizer, meta, cfg.eval.truncate_bytes, copied)
+                  for h, p, copied in zip(hyps, pairs, copied_unknowns(model, ids, hyps, rt), strict=True)]
     report = score(cfg, meta, pairs, predictions)
     report["settings"] = settings(cfg, name, len(pairs), source, rt.precision)
     report["sentences_per_s"] = len(pairs) / seconds  # decoding alone, as other toolkits time it

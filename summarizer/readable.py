@@ -1,9 +1,10 @@
-"""A headline for people: the normalised summary the model writes (lower-cased, PTB-tokenized, `<unk>` for
-what the tokenizer could not spell) turned back into text a reader expects, from its own raw source.
+"""A headline for people: the normalised summary the model writes (lower-cased, PTB-tokenized) turned back
+into text a reader expects, from its own raw source.
 
 - each word in the case it had in the source, where it came from there; the first letter capitalised;
-- `<unk>` replaced by the source word the tokenizer could not spell (the i-th unknown of the summary by the
-  i-th such word of the source, which is exact when the source has one), else dropped;
+- no unknown marker: a piece the tokenizer cannot spell was already written as the source characters the copy
+  head took it from (evaluate.summary_text, decoding.copied_unknowns); what is left of them (`<unk>`, `UNK`,
+  or a word holding SentencePiece's `⁇`: unknown in the source too, or made up) is dropped, the whole word;
 - PTB tokens back to text (`-lrb-` to `(`, quotes) and detokenized (`'s`, `n't`, punctuation), with NLTK's
   Treebank detokenizer, the inverse of the tokenizer Gigaword's text was made with.
 
@@ -17,10 +18,8 @@ import re
 
 from nltk.tokenize.treebank import TreebankWordDetokenizer, TreebankWordTokenizer
 
-from summarizer.tokenizer import UNK, UNK_WORD, Tokenizer
-
 PTB_BRACKETS = {"-lrb-": "(", "-rrb-": ")", "-lsb-": "[", "-rsb-": "]", "-lcb-": "{", "-rcb-": "}"}
-_UNKNOWN = re.compile(r"^(<unk>|UNK)$")
+_UNKNOWN = re.compile(r"^(<unk>|UNK)$|\u2047")  # \u2047: an UNK piece nothing was copied for
 _DIGIT = re.compile(r"\d")
 
 
@@ -34,24 +33,18 @@ def source_words(source: str) -> list[str]:
     return _treebank()[0].tokenize(source)
 
 
-def readable(summary: str, source: str, tokenizer: Tokenizer, normalization: dict) -> str:
-    """`summary` (normalised, digits restored) as text for a reader, using its raw `source` (module docstring);
-    `normalization` is the prepared data's (meta.json), which tells which source words the tokenizer cannot spell."""
+def readable(summary: str, source: str) -> str:
+    """`summary` (normalised, digits restored) as text for a reader, using its raw `source` (module docstring)."""
     words = source_words(source)
     cased: dict[str, str] = {}
     for word in words:
         cased.setdefault(word.lower(), word)
         if _DIGIT.search(word):  # "40" of "40%": digits the whitespace-split restoration could not place
             cased.setdefault(_DIGIT.sub("#", word.lower()), word)
-    unspellable = iter([w for w in words if UNK_WORD not in w and UNK in tokenizer.encode_raw(w, normalization)])
     out = []
     for word in summary.split():
-        if _UNKNOWN.match(word):
-            replacement = next(unspellable, None)
-            if replacement is not None:
-                out.append(replacement)
-            continue
-        word = PTB_BRACKETS.get(word, word)
-        out.append(cased.get(word, word))
+        if not _UNKNOWN.search(word):
+            word = PTB_BRACKETS.get(word, word)
+            out.append(cased.get(word, word))
     text = _treebank()[1].detokenize(out)
     return text[:1].upper() + text[1:]

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from summarizer import runtime
 from summarizer.config import Config
-from summarizer.decoding import decode_all
+from summarizer.decoding import copied_unknowns, decode_all
 from summarizer.evaluate import check_beam, eval_checkpoint, load_model, summary_text
 from summarizer.prepared import check_data_settings, lexicon, open_tokenizer, read_meta
 from summarizer.quantize import decoding_precision
@@ -56,8 +56,9 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     while chunk := decode_lines(itertools.islice(numbered, CHUNK_LINES), warn):
         sources = [tokenizer.encode_raw(text, norm)[:cfg.data.max_source_len] for text in chunk]
         hyps = decode_all(model, sources, cfg.eval, rt, lexicon=lexicon(cfg.data.dir))
-        stdout.write("".join((summary_text(h, text, tokenizer, meta, cfg.eval.truncate_bytes, cfg.eval.readable)
-                              if text.strip() else "") + "\n" for text, h in zip(chunk, hyps, strict=True)))
+        copied = copied_unknowns(model, sources, hyps, rt) if cfg.eval.readable else [None] * len(hyps)
+        stdout.write("".join((summary_text(h, text, tokenizer, meta, cfg.eval.truncate_bytes, c)
+                              if text.strip() else "") + "\n" for text, h, c in zip(chunk, hyps, copied, strict=True)))
         stdout.flush()
         lines += len(chunk)
         bar.update(len(chunk))

@@ -80,16 +80,26 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.sp.encode(list(texts), out_type=int)
 
-    def decode(self, ids) -> str:
-        """Stops at the first EOS; PAD and BOS are skipped wherever they appear."""
+    def pieces(self, text: str) -> list[str]:
+        """`text`'s pieces as strings, one per id of `encode(text)`; an unknown piece (UNK) is the characters
+        it stands for."""
+        return self.sp.encode(text, out_type=str)
+
+    def decode(self, ids, unknown: dict[int, str] | None = None) -> str:
+        """Stops at the first EOS; PAD and BOS are skipped wherever they appear. With `unknown`, the UNK at
+        position t of `ids` is written as `unknown[t]` (the characters it was copied from), else as SentencePiece
+        writes any UNK, `\u2047`."""
         kept = []
         for i in ids:
             i = int(i)
             if i == EOS:
                 break
-            if i not in (PAD, BOS):
-                kept.append(i)
-        return self.sp.decode(kept)
+            kept.append(i)
+        if unknown is None:
+            return self.sp.decode([i for i in kept if i not in (PAD, BOS)])
+        text = "".join(unknown.get(t, "\u2047") if i == UNK else self.sp.id_to_piece(i)
+                       for t, i in enumerate(kept) if i not in (PAD, BOS))
+        return " ".join(text.replace("\u2581", " ").split())
 
     def decode_batch(self, batch) -> list[str]:
         return [self.decode(ids) for ids in batch]

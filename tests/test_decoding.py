@@ -149,6 +149,26 @@ def test_numbers_and_the_unknown_marker_come_only_from_the_source(tiny_prepared)
     assert after_space[1].sum() > 1  # other words still begin this way
 
 
+def test_a_source_word_with_a_character_outside_the_vocabulary_is_copied_whole_or_not_at_all(tiny_prepared):
+    """"bj<UNK>rk" may be written with its UNK (the readable form puts the character back), never as "bjrk"."""
+    from summarizer.constraints import WordRules
+    from summarizer.prepared import lexicon
+    from summarizer.tokenizer import UNK
+    tokenizer, lex = open_tokenizer(tiny_prepared), lexicon(tiny_prepared)
+    source = tokenizer.encode("bj\u00f6rk won")
+    assert UNK in source
+    cut = source.index(UNK)
+    rules = WordRules(lex, [source], group=1, known_only=True, no_repeat=True)
+    for piece in source[:cut]:  # spell the word up to its unknown character
+        rules.advance([0], [piece])
+    allowed = rules.mask(torch.zeros(1, lex.vocab_size)) > float("-inf")
+    assert allowed[0, UNK] and not allowed[0, source[cut + 1]]  # the UNK, not the letter after it
+    for piece in source[cut:]:
+        rules.advance([0], [piece])
+    assert tokenizer.decode(source, {cut: "\u00f6"}) == "bj\u00f6rk won"
+    assert UNK not in lex.known_starts.nonzero().flatten().tolist()
+
+
 def test_word_rules_agree_between_greedy_and_beam_one(lexicon_and_model):
     _, _, lex, m, src, _ = lexicon_and_model
     s = settings(max_len=20, known_words=True, no_repeat_words=True)

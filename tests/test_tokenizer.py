@@ -55,6 +55,20 @@ def test_round_trip_on_normalized_text(tokenizer, text):
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
+def test_decode_writes_unknown_pieces_as_given_and_is_sp_decode_otherwise(tokenizer, tiny_prepared):
+    for split in read_meta(tiny_prepared)["splits"]:
+        with open(tiny_prepared / f"{split}.jsonl") as f:
+            for line in f:
+                ids = tokenizer.encode(json.loads(line)["target"])
+                assert tokenizer.decode(ids, {}) == tokenizer.decode(ids)
+    text = "zoë and ångström win"
+    ids, pieces = tokenizer.encode(text), tokenizer.pieces(text)
+    assert len(ids) == len(pieces) and UNK in ids
+    fill = {t: pieces[t] for t, i in enumerate(ids) if i == UNK}
+    assert tokenizer.decode(ids, fill) == text
+    assert "⁇" in tokenizer.decode(ids, {})  # nothing copied: SentencePiece's own mark, for readable to drop
+
+
 def test_round_trip_on_every_prepared_pair(tokenizer, tiny_prepared):
     for split in read_meta(tiny_prepared)["splits"]:
         with open(tiny_prepared / f"{split}.jsonl") as f:
