@@ -125,6 +125,12 @@ class TrainConfig:
     ema_decay: float = key(0.999, low=0, below=1)  # weights' moving average, validated, kept in best.pt; 0 = off
     clip_norm: float = key(1.0, low=0, resume=True)  # 0 = no clipping (the norm is still logged)
     max_bad_steps: int = key(5, above=0, resume=True)  # abort after this many non-finite steps in a row
+    # Loss spikes (summarizer/spikes.py): a step loss above mean + spike_factor * std of the last spike_window
+    # steps rolls back to the newest checkpoint and skips that step's batches; 0 = off
+    spike_factor: float = key(0.0, low=0, resume=True)
+    spike_window: int = key(100, above=1, resume=True)
+    spike_max_rollbacks: int = key(3, above=0, resume=True)  # this many within spike_window steps: stop
+    skip_batches: list = key([], resume=True)  # [[epoch, position], ...] of the data order never trained on
     set_to_none: bool = key(True, resume=True)
     fused_optimizer: bool = key(True, resume=True)  # AdamW(fused=True): one kernel for all parameters (CPU and CUDA)
     fused_loss: bool = key(True, resume=True)  # one-pass vocabulary loss with an in-place backward (losses.VocabStats)
@@ -132,6 +138,7 @@ class TrainConfig:
     cpu_kernel_cache: int = key(8192, low=0, resume=True)
     compile: bool = key(False, resume=True)
     log_every: int = key(50, above=0, resume=True)  # host syncs (.item()) happen only here
+    module_stats: bool = key(True, resume=True)  # per-module gradient/update/weight norms, activation RMS
     eval_every: int = key(500, above=0, resume=True)
     rouge_every: int = key(500, low=0, resume=True)  # 0 = off
     rouge_samples: int = key(500, low=0, resume=True)
@@ -319,6 +326,11 @@ def validate(cfg: Config) -> None:
                           f"both; lower eval.min_len or raise eval.max_len")
     if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in t.betas):
         raise ConfigError(f"train.betas must be two numbers in [0, 1), got {t.betas}")
+    if not isinstance(t.skip_batches, list) or not all(
+            isinstance(b, list) and len(b) == 2 and all(isinstance(n, int) and not isinstance(n, bool) for n in b)
+            and b[0] >= 0 and b[1] >= 1 for b in t.skip_batches):
+        raise ConfigError(f"train.skip_batches must be a list of [epoch, position] pairs (epoch >= 0, position >= 1, "
+                          f"as a rollback records them in manifest.json), got {t.skip_batches!r}")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
     if d.vocab_size < 8:

@@ -58,10 +58,8 @@ def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], prec
                    data_meta: dict, world_size: int, changes: list[dict] = ()) -> dict:
     """Everything needed to say later exactly what produced this run's numbers; `changes` (config keys
     changed on resume: step, key, old, new) are added to those the manifest already records."""
-    try:
-        history = json.loads((run_dir / "manifest.json").read_text()).get("config_changes", [])
-    except (OSError, ValueError):
-        history = []
+    previous = read_manifest(run_dir)
+    history = previous.get("config_changes", [])
     manifest = {
         "python": sys.version.split()[0], "platform": platform.platform(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
@@ -72,9 +70,26 @@ def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], prec
         "seed": cfg.train.seed, "command": sys.argv,
         "data": {k: data_meta.get(k) for k in ("spm_sha256", "fingerprint", "vocab_size", "splits")},
         "config": to_dict(cfg), "config_changes": history + list(changes),
+        "spike_rollbacks": previous.get("spike_rollbacks", []),  # summarizer/spikes.py
     }
     atomic_write(run_dir / "manifest.json", json.dumps(manifest, indent=2, default=str))
     return manifest
+
+
+def read_manifest(run_dir: Path) -> dict:
+    """The run's manifest.json, or {} for a run without a readable one."""
+    try:
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def add_rollback(run_dir: Path, record: dict) -> None:
+    """Append a spike rollback (summarizer/spikes.py) to the manifest's `spike_rollbacks`."""
+    manifest = read_manifest(run_dir)
+    manifest["spike_rollbacks"] = [*manifest.get("spike_rollbacks", []), record]
+    atomic_write(run_dir / "manifest.json", json.dumps(manifest, indent=2, default=str))
 
 
 class Monitor:
@@ -86,7 +101,7 @@ class Monitor:
 
     def __init__(self, cfg: Config, active: bool, start_step: int, total_steps: int):
         self.active, self.total_steps = active, total_steps
-        self.metrics_path = cfg.run_dir / "metrics.jsonl"
+        self.metrics_path, self.events_dir = cfg.run_dir / "metrics.jsonl", cfg.tensorboard_dir
         self.writer = None
         self.bar = None
         if not active:
@@ -112,6 +127,18 @@ class Monitor:
             self.bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{values['tokens_per_s']:.0f}")
         elif self.bar is None:
             print(log_line(step, self.total_steps, split, record), file=sys.stderr, flush=True)
+
+    def rewind(self, step: int) -> None:
+        """Back to `step` (a spike rollback): what was logged after it leaves metrics.jsonl and TensorBoard."""
+        if not self.active:
+            return
+        _truncate_metrics(self.metrics_path, step)
+        self.writer.close()
+        from torch.utils.tensorboard import SummaryWriter
+        self.writer = SummaryWriter(str(self.events_dir), purge_step=step + 1)
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.active:

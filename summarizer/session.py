@@ -3,19 +3,19 @@ optimizer, schedule, the weights' moving average, progress; and the snapshot a c
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Set
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 
-from summarizer import checkpoint, runtime
+from summarizer import checkpoint, runtime, spikes
 from summarizer.config import Config, save_config, to_dict
 from summarizer.data import PairDataset, TokenBatchSampler, make_loader
 from summarizer.model import Seq2Seq, count_parameters
-from summarizer.monitor import Monitor, write_manifest
+from summarizer.monitor import Monitor, read_manifest, write_manifest
 from summarizer.optim import build_optimizer, build_scheduler
 from summarizer.outputs import claim_dir, claim_events_dir, hold_lock
 from summarizer.placement import place_model
@@ -31,13 +31,15 @@ RUN_FILES = ("config.yaml", "manifest.json", "metrics.jsonl", checkpoint.LATEST,
 
 
 
-def batches_forever(loader, sampler: TokenBatchSampler, epoch: int, position: int):
-    """Yield (batch, epoch, position after it), epoch after epoch, starting mid-epoch if resuming."""
+def batches_forever(loader, sampler: TokenBatchSampler, epoch: int, position: int, skip: Set = frozenset()):
+    """Yield (batch, epoch, position after it), epoch after epoch, starting mid-epoch if resuming; the
+    batches whose (epoch, position) is in `skip` are left out (summarizer/spikes.py)."""
     while True:
         sampler.set_epoch(epoch, position)
         for batch in loader:
             position += 1
-            yield batch, epoch, position
+            if (epoch, position) not in skip:
+                yield batch, epoch, position
         epoch, position = epoch + 1, 0
 
 
@@ -119,6 +121,10 @@ class Session:
     ema: AveragedModel | None = None
     lock: object | None = None  # the run dir's lock file (outputs.hold_lock): held while this run lives
     rouge_pairs: list | None = None  # the valid pairs ROUGE is measured on during training, read once
+    train_loader: DataLoader | None = None  # what `stream` reads, kept to restart it (rollback)
+    sampler: TokenBatchSampler | None = None
+    skip: set = field(default_factory=set)  # (epoch, position) of batches never trained on (spikes.py)
+    rollbacks: list = field(default_factory=list)  # the manifest's spike_rollbacks
 
     @property
     def eval_model(self) -> nn.Module:
@@ -163,8 +169,10 @@ def open_session(cfg: Config) -> Session:
     sampler = TokenBatchSampler(train_ds.src_lens, train_ds.tgt_lens, cfg.data.batch_tokens, cfg.data.bucket_size,
                                 shuffle=True, seed=cfg.train.seed, rank=rt.rank, world_size=rt.world_size,
                                 pad_multiple=cfg.data.pad_multiple)
-    stream = batches_forever(make_loader(train_ds, sampler, cfg.data, rt.device, cfg.train.seed), sampler,
-                             progress["epoch"], progress["position"])
+    manifest = read_manifest(cfg.run_dir)
+    skip, rollbacks = spikes.skipped(manifest, cfg.train), manifest.get("spike_rollbacks", [])
+    train_loader = make_loader(train_ds, sampler, cfg.data, rt.device, cfg.train.seed)
+    stream = batches_forever(train_loader, sampler, progress["epoch"], progress["position"], skip)
     valid_name = valid_split(meta)
     valid_ds = PairDataset.from_dir(cfg.data.dir, valid_name, cfg.data)
     valid_loader = make_loader(valid_ds, TokenBatchSampler(
@@ -178,6 +186,31 @@ def open_session(cfg: Config) -> Session:
                   f"{len(train_ds)} train pairs, {len(valid_ds)} {valid_name} pairs, "
                   f"{'resuming at step ' + str(progress['step']) if progress['step'] else 'starting'}")
     return Session(cfg, rt, meta, tokenizer, model, optimizer, scheduler, scaler, progress, stream,
-                   valid_ds, valid_loader, monitor, progress["step"] > 0, ema, lock)
+                   valid_ds, valid_loader, monitor, progress["step"] > 0, ema, lock, train_loader=train_loader,
+                   sampler=sampler, skip=skip, rollbacks=rollbacks)
+
+
+def rollback(s: Session) -> int | None:
+    """Back to the run's newest checkpoint, in place: weights, optimizer, scaler, moving average, random
+    streams, progress (the wall clock excepted) and the data stream at its position, with what was logged
+    after it dropped. Its step, or None when the run has no checkpoint yet."""
+    found = checkpoint.load_latest(s.cfg.run_dir)
+    if found is None:
+        return None
+    state = found[0]
+    runtime.unwrap(s.model).load_state_dict(state["model"])
+    s.optimizer.load_state_dict(state["optimizer"])
+    s.scaler.load_state_dict(state["scaler"])
+    if s.ema is not None:
+        s.ema.load_state_dict(state["ema"])
+    checkpoint.set_rng_state(state["rng"])
+    elapsed = s.progress["elapsed_s"]
+    s.progress.clear()
+    s.progress.update(state["progress"], elapsed_s=elapsed)
+    s.scheduler = build_scheduler(s.optimizer, s.cfg.train, s.progress["step"])
+    s.stream.close()
+    s.stream = batches_forever(s.train_loader, s.sampler, s.progress["epoch"], s.progress["position"], s.skip)
+    s.monitor.rewind(s.progress["step"])
+    return s.progress["step"]
 
 

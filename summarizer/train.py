@@ -11,15 +11,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from summarizer import checkpoint, runtime
+from summarizer import checkpoint, runtime, spikes
 from summarizer.config import Config, TrainConfig
 from summarizer.errors import UserError
 from summarizer.flops import batch_flops, peak_flops
 from summarizer.losses import smoothed_nll
-from summarizer.monitor import Profiler, Window, flatten, memory_report
+from summarizer.module_stats import ModuleStats
+from summarizer.monitor import Profiler, Window, add_rollback, flatten, memory_report
 from summarizer.nonfinite import first_nonfinite
 from summarizer.runtime import Runtime, move_batch
-from summarizer.session import Session, open_session
+from summarizer.session import Session, open_session, rollback
 from summarizer.validation import validate
 
 
@@ -28,9 +29,10 @@ class TrainingAborted(UserError):
 
 
 def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], rt: Runtime,
-               cfg: TrainConfig) -> dict:
+               cfg: TrainConfig, stats: ModuleStats | None = None) -> dict:
     """One optimizer step over k micro-batches. Returns tensors: nothing here forces a host sync
-    except the single finiteness check of the gradient norm."""
+    except the single finiteness check of the gradient norm (and, given `stats`, its one read of the
+    per-module statistics, as out["modules"])."""
     total = sum(b["n_tgt"] for b in micro_batches)
     if rt.distributed:  # every rank divides by the global token count, so DDP's mean is the exact mean
         total = int(runtime.all_reduce_sum(torch.tensor(total, device=rt.device), rt))
@@ -47,6 +49,8 @@ def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], r
         nlls.append(nll)
         del out, loss  # drop graph references before the next micro-batch allocates its own
     scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+    if stats is not None:
+        stats.before_update()
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm if cfg.clip_norm > 0 else math.inf)
     finite = bool(torch.isfinite(grad_norm))
     if scaler.is_enabled():
@@ -54,10 +58,11 @@ def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], r
         scaler.update()
     elif finite:
         optimizer.step()
+    modules = stats.after_update() if stats is not None else {}
     optimizer.zero_grad(set_to_none=cfg.set_to_none)
     # Local sums; `tokens` is the global target count they are normalised by (Window all-reduces).
     return {"loss_sum": torch.stack(losses).sum(), "nll_sum": torch.stack(nlls).sum(), "tokens": total,
-            "grad_norm": grad_norm.detach(), "finite": finite}
+            "grad_norm": grad_norm.detach(), "finite": finite, "modules": modules}
 
 
 class StopFlag:
@@ -154,6 +159,7 @@ class Loop:
     window: Window
     profiler: Profiler | None
     started: float  # perf_counter() at the run's step 0, resumed time included
+    module_stats: ModuleStats | None = None  # train.module_stats: read on logged steps
     bad_in_row: int = 0
 
 
@@ -166,7 +172,8 @@ def train(cfg: Config) -> dict:
     stop, children = StopFlag(), ChildSignals()
     peak, origin = peak_flops(rt.device, rt.precision, t.peak_flops)
     s.monitor.write(f"peak for MFU: {peak / 1e12:.3g} TFLOP/s per device, {origin}")
-    loop = Loop(stop, Window(rt, peak_flops=peak), profiler, time.perf_counter() - progress["elapsed_s"])
+    loop = Loop(stop, Window(rt, peak_flops=peak), profiler, time.perf_counter() - progress["elapsed_s"],
+                ModuleStats(s.model) if t.module_stats else None)
     try:
         try:
             while progress["step"] < t.max_steps:
@@ -197,7 +204,8 @@ def step_once(s: Session, cfg: Config, fetched: list, data_s: float, loop: Loop)
     micro = [move_batch(batch, rt.device) for batch, _, _ in fetched]
     _, epoch, position = fetched[-1]
     try:
-        out = train_step(s.model, s.optimizer, s.scaler, micro, rt, t)
+        logged = (progress["step"] + 1) % t.log_every == 0
+        out = train_step(s.model, s.optimizer, s.scaler, micro, rt, t, loop.module_stats if logged else None)
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise TrainingAborted(oom_message(exc, micro, cfg, rt, progress["step"])) from None
     s.scheduler.step()
@@ -205,6 +213,8 @@ def step_once(s: Session, cfg: Config, fetched: list, data_s: float, loop: Loop)
         s.ema.update_parameters(runtime.unwrap(s.model))
     progress.update(step=progress["step"] + 1, epoch=epoch, position=position,
                     elapsed_s=time.perf_counter() - loop.started)
+    if t.spike_factor and out["finite"] and watch_spikes(s, cfg, fetched, out, loop):
+        return False  # rolled back: the loop goes on from the checkpoint
     flops = [batch_flops(s.cfg.model, s.meta["vocab_size"], batch) for batch, _, _ in fetched]  # CPU tensors
     window.add(out, micro, data_s, (sum(f[0] for f in flops), sum(f[1] for f in flops)))
     overflow = s.scaler.is_enabled() and s.scaler.get_scale() >= 1.0  # fp16 scale search, not a fault
@@ -231,13 +241,49 @@ def step_once(s: Session, cfg: Config, fetched: list, data_s: float, loop: Loop)
     return False
 
 
+def watch_spikes(s: Session, cfg: Config, fetched: list, out: dict, loop: Loop) -> bool:
+    """summarizer/spikes.py: True when this step's loss was a spike and the run went back to its newest
+    checkpoint, never to train on this step's batches again; the step's loss joins the window otherwise."""
+    t, progress = cfg.train, s.progress
+    step, loss = progress["step"], spikes.step_loss(out, s.rt)
+    threshold = spikes.limit(progress, t)
+    if threshold is None or loss <= threshold:
+        spikes.remember(progress, loss, t)
+        return False
+    batches = [[epoch, position] for _, epoch, position in fetched]
+    recent = spikes.too_many([*s.rollbacks, {"step": step}], step, t)
+    if recent:
+        raise TrainingAborted(
+            f"loss spike at step {step} ({loss:.3f} > {threshold:.3f}): {len(recent)} rollbacks within "
+            f"train.spike_window={t.spike_window} steps (at steps {', '.join(map(str, recent))}), so the spikes "
+            f"are not a few bad batches. Lower train.lr (now {t.lr}) or raise train.warmup_steps, raise "
+            f"train.spike_factor (now {t.spike_factor}), or set it to 0 to train through them. Checkpoints already "
+            f"written are intact; manifest.json lists the rollbacks (spike_rollbacks)")
+    to = rollback(s)
+    if to is None:
+        s.monitor.write(f"step {step}: loss spike ({loss:.3f} > {threshold:.3f}, mean + {t.spike_factor} std of "
+                        f"the last {t.spike_window} steps), but no checkpoint to roll back to yet: training on")
+        return False
+    record = {"step": step, "loss": loss, "threshold": threshold, "batches": batches, "rolled_back_to": to}
+    s.rollbacks.append(record)
+    s.skip.update(tuple(b) for b in batches)
+    if s.rt.is_main:
+        add_rollback(cfg.run_dir, record)
+    loop.window.reset()
+    loop.bad_in_row = 0
+    s.monitor.write(f"step {step}: loss spike ({loss:.3f} > {threshold:.3f}, mean + {t.spike_factor} std of the "
+                    f"last {t.spike_window} steps): rolled back to step {to}; the batches at (epoch, position) "
+                    f"{', '.join(map(str, map(tuple, batches)))} are skipped from now on (manifest.json)")
+    return True
+
+
 def after_step(s: Session, window: Window, out: dict, time_up: bool) -> bool:
     """Log, validate and checkpoint on their intervals; True when training must stop now."""
     t, step = s.cfg.train, s.progress["step"]
     final = step >= t.max_steps or time_up
     lr = s.scheduler.get_last_lr()[0]
     if step % t.log_every == 0 or final:
-        s.monitor.log(step, "train", window.summary(lr, out["grad_norm"]))
+        s.monitor.log(step, "train", {**window.summary(lr, out["grad_norm"]), **out["modules"]})
         window.reset()
     rouge = bool(t.rouge_every) and (step % t.rouge_every == 0 or final)
     evaluate = step % t.eval_every == 0 or final or rouge

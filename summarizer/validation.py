@@ -14,6 +14,7 @@ from summarizer.config import Config
 from summarizer.data import PairDataset
 from summarizer.decoding import decode_all
 from summarizer.losses import smoothed_nll
+from summarizer.module_stats import activation_rms
 from summarizer.prepared import lexicon, read_pairs, training_words, valid_split
 from summarizer.runtime import Runtime, move_batch
 from summarizer.scoring import ROUGE_TYPES, quality, rouge_report, words
@@ -22,10 +23,11 @@ from summarizer.tokenizer import Tokenizer
 
 
 @torch.inference_mode()
-def evaluate_loss(model: nn.Module, loader, rt: Runtime) -> dict:
-    """Token-level NLL and perplexity of a split, without dropout or graph building."""
+def evaluate_loss(model: nn.Module, loader, rt: Runtime, activations: bool = False) -> dict:
+    """Token-level NLL and perplexity of a split, without dropout or graph building; with `activations`, the
+    RMS of each block's output too (summarizer/module_stats.py; under DDP, of this rank's share)."""
     nlls, tokens = [], 0
-    with runtime.eval_mode(model):
+    with runtime.eval_mode(model), activation_rms(model, activations) as rms:
         for batch in loader:
             batch = move_batch(batch, rt.device)
             with rt.compute():
@@ -36,14 +38,14 @@ def evaluate_loss(model: nn.Module, loader, rt: Runtime) -> dict:
     totals = runtime.all_reduce_sum(torch.stack([nll_sum, torch.tensor(float(tokens), device=rt.device,
                                                                        dtype=torch.float64)]), rt)
     loss = float(totals[0] / totals[1].clamp_min(1))
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(totals[1])}
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(totals[1]), **rms}
 
 
 def validate(s: Session, extra: dict, rouge: bool) -> bool:
     """Validation loss, ROUGE on a fixed valid subset when due, samples, and best-checkpoint
     bookkeeping by `train.select_by`; True when patience runs out."""
     started = time.perf_counter()
-    metrics = evaluate_loss(s.eval_model, s.valid_loader, s.rt)
+    metrics = evaluate_loss(s.eval_model, s.valid_loader, s.rt, s.cfg.train.module_stats)
     metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
     if rouge:
         # Every rank decodes the same subset deterministically, so all agree on the best without talking.

@@ -18,6 +18,8 @@ from summarizer.bench.decoding import decode_row, summarize_row, weights
 from summarizer.config import Config, from_dict, to_dict
 from summarizer.data import PairDataset, TokenBatchSampler, make_loader, padding_fraction
 from summarizer.decoding import decode_all
+from summarizer.flops import batch_flops
+from summarizer.module_stats import ModuleStats
 from summarizer.outputs import atomic_write, claim_dir
 from summarizer.prepared import lexicon, read_meta, valid_split
 from summarizer.runtime import move_batch
@@ -50,12 +52,16 @@ def stats(values: list[float]) -> dict:
 class TrainingProbe:
     """One variant's training loop, data loading included, timed `bench.steps` optimizer steps at a time."""
 
-    def __init__(self, cfg: Config, fixed_batches: bool = False, item_every_step: bool = False):
-        self.cfg, self.item_every_step = cfg, item_every_step
+    def __init__(self, cfg: Config, fixed_batches: bool = False, item_every_step: bool = False,
+                 observe: bool = False):
+        self.cfg, self.item_every_step, self.steps = cfg, item_every_step, 0
         self.rt = runtime.setup(cfg)
         torch.manual_seed(cfg.train.seed)
         model, self.optimizer, self.scaler = build(cfg, self.rt, read_meta(cfg.data.dir))
         self.model = torch.compile(model) if cfg.train.compile else model
+        # What the loop adds to see inside a run: model FLOPs of every batch, per-module statistics when logged.
+        self.stats = ModuleStats(model) if observe else None
+        self.vocab_size = read_meta(cfg.data.dir)["vocab_size"] if observe else 0
         ds = PairDataset.from_dir(cfg.data.dir, "train", cfg.data)
         bucketed = TokenBatchSampler(ds.src_lens, ds.tgt_lens, cfg.data.batch_tokens, cfg.data.bucket_size,
                                      seed=cfg.train.seed, pad_multiple=cfg.data.pad_multiple)
@@ -72,8 +78,14 @@ class TrainingProbe:
         runtime.setup(self.cfg)  # re-apply this variant's process-wide switches (e.g. cudnn.benchmark)
         rt, started, tokens = self.rt, time.perf_counter(), 0
         for _ in range(steps or self.cfg.bench.steps):
-            micro = [move_batch(next(self.stream)[0], rt.device) for _ in range(self.cfg.train.accum_steps)]
-            out = train_step(self.model, self.optimizer, self.scaler, micro, rt, self.cfg.train)
+            fetched = [next(self.stream)[0] for _ in range(self.cfg.train.accum_steps)]
+            micro = [move_batch(batch, rt.device) for batch in fetched]
+            self.steps += 1
+            logged = self.stats is not None and self.steps % self.cfg.train.log_every == 0
+            out = train_step(self.model, self.optimizer, self.scaler, micro, rt, self.cfg.train,
+                             self.stats if logged else None)
+            if self.stats is not None:
+                sum(batch_flops(self.cfg.model, self.vocab_size, batch)[0] for batch in fetched)
             tokens += sum(b["n_src"] + b["n_tgt"] for b in micro)
             if self.item_every_step:  # what logging every step costs: host syncs for each value
                 out["nll_sum"].item(), out["grad_norm"].item()
@@ -176,6 +188,9 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
             t(), t(("train", "accum_steps", 4), ("data", "batch_tokens", quarter)))),
         "item_at_log_intervals": (".item() at log intervals vs every step", "tokens/s", "higher", pair(
             t(), t(item_every_step=True))),
+        "observability": (f"model FLOPs counted every step + per-module statistics every {cfg.bench.steps} steps "
+                          f"(train.log_every is {cfg.train.log_every}) vs neither", "tokens/s", "higher",
+                          pair(t(("train", "log_every", cfg.bench.steps), observe=True), t())),
         "fused_loss": ("fused vocabulary loss vs autograd logsumexp/gather/mean", "tokens/s", "higher", pair(
             t(("train", "fused_loss", True)), t(("train", "fused_loss", False)))),
         "attention_kernel": ("explicit attention vs SDPA math kernel" if not cuda else "SDPA default vs math",
