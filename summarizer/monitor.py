@@ -167,7 +167,8 @@ class Monitor:
 def log_line(step: int, total: int, split: str, record: dict) -> str:
     """One line of a log interval, for logs written to files: `step 50/3000 train loss 6.448 lr 1.2e-04 ...`."""
     formats = {"loss": ".4f", "lr": ".3g", "grad_norm": ".3f", "tokens_per_s": ".0f", "rouge1": ".2f",
-               "rouge2": ".2f", "rougeL": ".2f", "ppl": ".2f", "data_wait": ".1%", "peak_memory_mb": ".0f"}
+               "rouge2": ".2f", "rougeL": ".2f", "ppl": ".2f", "data_wait": ".1%", "memory_mb": ".0f",
+               "peak_memory_mb": ".0f"}
     parts = [f"{key} {record[key]:{fmt}}" for key, fmt in formats.items() if isinstance(record.get(key), (int, float))]
     return f"step {step}/{total} {split} " + " ".join(parts)
 
@@ -237,7 +238,8 @@ class Window:
         summary = {"loss": nll / steps, "smoothed_loss": loss / steps, "lr": lr, "grad_norm": grad_norm.item(),
                    "tokens_per_s": tokens / seconds, "step_s": seconds / steps, "data_wait": self.data_s / seconds,
                    "skipped_steps": self.skipped,
-                   "peak_memory_mb": max(peak_memory_mb(d) for d in self.rt.devices)}
+                   "peak_memory_mb": max(peak_memory_mb(d) for d in self.rt.devices),
+                   "memory_mb": max(current_memory_mb(d) for d in self.rt.devices)}
         if flops:  # summarizer/flops.py: FLOPs of the real tokens; MFU against one device's peak, per device
             summary["model_flops_per_s"] = flops / seconds
             summary["mfu"] = flops / seconds / self.rt.world_size / self.peak if self.peak else 0.0

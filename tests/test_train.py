@@ -276,6 +276,8 @@ def test_run_dir_records_config_manifest_and_tensorboard(tiny_data, tmp_path):
     for key in ("step", "split", "loss", "lr", "grad_norm", "tokens_per_s"):
         assert all(key in r for r in records)
     assert {r["split"] for r in records} == {"train", "valid"}
+    train = [r for r in records if r["split"] == "train"]
+    assert all(0 < r["memory_mb"] <= r["peak_memory_mb"] for r in train)
     assert list((run / "tb" / "tiny").glob("events.out.tfevents.*"))
     assert (run / "profile.txt").read_text().strip() and list((run / "tb" / "tiny" / "profile").glob("*.json*"))
 
