@@ -5,10 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from data_prep import prepare
 from summarizer.config import load_config
 from summarizer.errors import UserError
-from summarizer.prepared import META_FILE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
                              "run first); an existing one is used as it is")
     args = parser.parse_args(argv)
     try:
+        from data_prep import prepare  # torch and datasets load here, inside the Ctrl-C handling
+        from summarizer.prepared import META_FILE
         cfg = load_config(args.config, args.overrides).data
         if args.if_missing and (Path(cfg.dir) / META_FILE).is_file():
             return 0

@@ -72,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
         if sys.stdin is None:
             raise UserError("summarize reads text from standard input, which is closed: pipe or redirect the text "
                             "in, one input per line (e.g. `summarize ... < articles.txt`)")
+        if sys.stdout is None:
+            raise UserError("summarize writes its summaries to standard output, which is closed: redirect it to a "
+                            "file or a pipe (e.g. `summarize ... > headlines.txt`)")
         summarize_stream(cfg, sys.stdin.buffer, sys.stdout)
         return 0
     from summarizer.bench.run import run_bench
@@ -80,9 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     try:
-        return run(args)
+        return run(parse_args(argv))  # parsing imports the harness, and torch with it: Ctrl-C is handled from here
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -51,11 +51,15 @@ def save(state: dict, path: Path) -> None:
     try:
         with atomic_open(path) as fh:
             torch.save(state, fh)
-    except RuntimeError as exc:  # torch's writer reports a failed write ("enforce fail at inline_container.cc")
-        if "write" not in str(exc).lower():
+    except RuntimeError as exc:  # torch's writer reports a failed write ("enforce fail at inline_container.cc"),
+        # with the file's own OSError (ENOSPC, EFBIG) as its context where the write reached Python
+        cause = exc.__cause__ or exc.__context__
+        if not isinstance(cause, OSError) and "write" not in str(exc).lower():
             raise
-        raise OSError(errno.ENOSPC, f"cannot write the checkpoint (the disk is full or a file-size limit is "
-                                    f"set: {str(exc).splitlines()[0]})", str(path)) from None
+        code = cause.errno if isinstance(cause, OSError) and cause.errno else errno.ENOSPC
+        why = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(exc).splitlines()[0]
+        raise OSError(code, f"cannot write the checkpoint (the disk is full or a file-size limit is "
+                            f"set: {why})", str(path)) from None
 
 
 def load(path: str | Path, map_location="cpu") -> dict:

@@ -13,7 +13,7 @@ from summarizer import checkpoint, runtime
 from summarizer.config import Config
 from summarizer.decoding import copied_unknowns, decode_all
 from summarizer.errors import CheckpointError, ConfigError, DataError
-from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
+from summarizer.outputs import claim_dir, refuse_overlap, write_together
 from summarizer.pairs import read_pairs_file
 from summarizer.placement import place_model
 from summarizer.prepared import lexicon, load_split, open_tokenizer, read_meta, read_pairs, training_words
@@ -147,12 +147,10 @@ def evaluate(cfg: Config) -> dict:
     report["settings"] = settings(cfg, name, len(pairs), source, rt.precision)
     report["sentences_per_s"] = len(pairs) / seconds  # decoding alone, as other toolkits time it
     report["startup_s"] = started - begun  # reading data and the checkpoint, quantizing, the word rules' lexicon
-    # rouge.json names the predictions it scored: the old one goes first and the new one is written last, so
-    # a failure in between leaves predictions without a report, never a report beside other predictions.
-    (out_dir / "rouge.json").unlink(missing_ok=True)
-    atomic_write(out_dir / "predictions.readable.txt", "".join(p + "\n" for p in for_people))
-    atomic_write(out_dir / "predictions.txt", "".join(p + "\n" for p in predictions))
-    atomic_write(out_dir / "rouge.json", json.dumps(report, indent=2))
+    # rouge.json names the predictions it scored: all three are written in full before any is replaced
+    write_together(out_dir, {"predictions.readable.txt": "".join(p + "\n" for p in for_people),
+                             "predictions.txt": "".join(p + "\n" for p in predictions),
+                             "rouge.json": json.dumps(report, indent=2)}, last="rouge.json")
     print(summary_line(report, out_dir), file=sys.stderr)
     return report
 

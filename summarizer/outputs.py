@@ -23,7 +23,7 @@ def atomic_open(path: str | Path, mode: str = "wb"):
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
+        with _named(path), open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
@@ -35,6 +35,38 @@ def atomic_open(path: str | Path, mode: str = "wb"):
 def atomic_write(path: str | Path, data: str | bytes) -> None:
     with atomic_open(path, "wb" if isinstance(data, bytes) else "w") as fh:
         fh.write(data)
+
+
+@contextlib.contextmanager
+def _named(path: Path):
+    """A write error (a full disk, a file-size limit) carries no file name: give it the file being written."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or not exc.errno:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+
+
+def write_together(directory: str | Path, files: dict[str, str], last: str) -> None:
+    """Write files that must agree (predictions and the report that scores them): each is written in full to a
+    temp file first, so a full disk fails before anything is replaced and the earlier set stays whole; then
+    `last` (the file naming the others) is removed, the others renamed into place, and `last` renamed last,
+    so even a crash among the renames leaves files without their report, never a report beside other files."""
+    directory = Path(directory)
+    staged = {name: directory / f"{name}.{os.getpid()}.tmp" for name in files}
+    try:
+        for name, text in files.items():
+            with _named(directory / name), open(staged[name], "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+        (directory / last).unlink(missing_ok=True)
+        for name in [n for n in files if n != last] + [last]:
+            os.replace(staged[name], directory / name)
+    finally:
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
 
 
 MARKER = ".summarizer"  # a directory the product made (or was given empty) holds this file, naming its kind
@@ -117,6 +149,15 @@ def hold_lock(path: str | Path, key: str):
     return fh
 
 
+def release_lock(fh) -> None:
+    """End a lock hold_lock took, emptying the file first: a lock file that still names a process then means
+    that process died holding it (killed), and the next run says so; an empty one means it ended cleanly."""
+    fh.seek(0)
+    fh.truncate()
+    fh.flush()
+    fh.close()
+
+
 def release_inherited_locks() -> None:
     """In a forked child (a DataLoader worker): close the copies of the parent's lock files, so the lock ends with
     the parent. A flock belongs to the open file, which fork shares: a worker outliving a killed parent for a few
@@ -157,13 +198,19 @@ WRITTEN_BY = "written_by"  # the key a JSON report of the product names its writ
 
 
 def check_report_target(path: str | Path, writer: str, key: str) -> Path:
-    """Refuse, before any work, a report path that is a directory, lies under a file, or holds a file that
-    `writer` did not write (the product never replaces a user's file)."""
+    """Refuse, before any work, a report path that is a directory, lies under a file or a directory that cannot
+    be made, or holds a file that `writer` did not write (the product never replaces a user's file); make its
+    directory."""
     path = Path(path)
     if path.parent.exists() and not path.parent.is_dir():
         raise ConfigError(f"{key} {path.parent} is a file, not a directory: give a directory for {path.name}")
     if path.is_dir():
         raise ConfigError(f"{path} is a directory: choose another {key}")
+    try:  # now, not after the work: a directory that cannot be made (a file on its path, no permission)
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create {key} {path.parent} ({exc.strerror or exc}): give a directory you can "
+                          f"write") from None
     if path.exists():
         try:
             owner = json.loads(path.read_text(encoding="utf-8")).get(WRITTEN_BY)

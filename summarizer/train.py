@@ -19,6 +19,7 @@ from summarizer.losses import smoothed_nll
 from summarizer.module_stats import ModuleStats
 from summarizer.monitor import Profiler, Window, add_rollback, flatten, memory_report
 from summarizer.nonfinite import first_nonfinite
+from summarizer.outputs import release_lock
 from summarizer.runtime import Runtime, move_batch
 from summarizer.session import Session, open_session, rollback
 from summarizer.validation import validate
@@ -192,7 +193,7 @@ def train(cfg: Config) -> dict:
         stop.restore()
         s.monitor.close()
         if s.lock is not None:
-            s.lock.close()
+            release_lock(s.lock)
     return {"steps": progress["step"], "best": progress["best"], "minutes": progress["elapsed_s"] / 60,
             "run_dir": str(cfg.run_dir), "signal": stop.signum}
 

@@ -213,14 +213,24 @@ def test_a_closed_pipe_ends_summarize_quietly(trained_run):
     assert b"Traceback" not in proc.stderr and b"BrokenPipe" not in proc.stderr, proc.stderr.decode()[-2000:]
 
 
-def test_a_full_disk_at_a_checkpoint_write_is_one_clear_message(trained_run, tmp_path, monkeypatch, capsys):
+def _write_failed(obj, fh):
+    raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 320 vs 256: file write failed")
+
+
+def _write_failed_in_python(obj, fh):  # the file's own error reached Python first; torch's text names no write
+    try:
+        raise OSError(27, "File too large")
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 995520 vs 995408")  # noqa: B904
+
+
+@pytest.mark.parametrize("failure", [_write_failed, _write_failed_in_python])
+def test_a_full_disk_at_a_checkpoint_write_is_one_clear_message(trained_run, tmp_path, monkeypatch, capsys,
+                                                                failure):
     import torch
 
     from summarizer.__main__ import main
-
-    def full(obj, fh):
-        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 320 vs 256: file write failed")
-    monkeypatch.setattr(torch, "save", full)
+    monkeypatch.setattr(torch, "save", failure)
     _, args = trained_run
     run_args = [a for a in args if not a.startswith(("run.dir=", "run.tensorboard_dir="))] + [
         f"run.dir={tmp_path / 'run'}", f"run.tensorboard_dir={tmp_path / 'tb'}", "train.max_steps=2",
@@ -281,3 +291,57 @@ def test_rush_files_with_a_byte_order_mark_and_cr_only_summarize_input(trained_r
     monkeypatch.setattr("sys.stdin", None)
     assert main(["summarize", *args]) == 2
     assert "standard input, which is closed" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_at_a_checkpoint_write_is_one_clear_message(data, tmp_path):
+    """A real write failure inside torch.save (the limit `ulimit -f` sets): one message naming the file, exit 1,
+    the earlier checkpoints intact and no temp file left."""
+    import resource
+    import subprocess
+    import sys
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "summarizer", "train", *args(data, run, "train.max_steps=20")]
+    assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=300).returncode == 0
+    before = {p.name: p.read_bytes() for p in run.glob("ckpt_*.pt")}
+    limit = max(len(b) for b in before.values()) // 2  # above best.pt (no optimizer state), below a step checkpoint
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    proc = subprocess.run([*cmd[:-1], "train.max_steps=30"], cwd=ROOT, capture_output=True, timeout=300,
+                          preexec_fn=small_files)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert "ckpt_00000030.pt: " in err and "File too large" in err, err[-1200:]
+    assert {p.name: p.read_bytes() for p in run.glob("ckpt_*.pt")} == before and not list(run.glob("*.tmp"))
+    assert json.loads((run / "latest.json").read_text())["step"] == 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [["-m", "data_prep", "--config", TINY], ["-m", "summarizer", "train", "--config",
+                                                                                 TINY]])
+def test_ctrl_c_while_the_libraries_load_is_a_clean_exit(tmp_path, command):
+    """Ctrl-C in the first second, while torch and datasets are still importing: exit 130, no traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    proc = subprocess.Popen([sys.executable, *command, f"data.dir={tmp_path / 'data'}", f"run.dir={tmp_path / 'run'}"
+                             if command[1] == "summarizer" else "data.num_proc=1"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(0.6)  # importing torch takes longer than this
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and b"Traceback" not in err, err.decode()[-3000:]
+    assert "interrupted" in err.decode()
+
+
+def test_summarize_with_standard_output_closed_is_one_clear_message(trained_run):
+    import subprocess
+    import sys
+    _, args = trained_run
+    proc = subprocess.run([sys.executable, "-m", "summarizer", "summarize", *args], input=b"a line .\n", cwd=ROOT,
+                          capture_output=False, stdout=None, stderr=subprocess.PIPE, timeout=300,
+                          pass_fds=(), close_fds=True, preexec_fn=lambda: os.close(1))
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "Traceback" not in err and "standard output, which is closed" in err, err[-2000:]

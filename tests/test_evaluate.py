@@ -171,20 +171,38 @@ def test_quantize_int8_returns_a_copy_and_leaves_its_argument_untouched():
     assert not any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in model.modules())
 
 
-def test_a_failed_eval_write_never_leaves_a_report_beside_other_predictions(trained_tiny, monkeypatch, capsys):
-    """A full disk while writing rouge.json: the earlier eval's report must not stay beside the new predictions."""
-    from summarizer import evaluate as evaluate_mod
+@pytest.mark.parametrize("failing", ["predictions.readable.txt", "predictions.txt", "rouge.json"])
+def test_a_failed_eval_write_leaves_the_earlier_eval_whole(trained_tiny, monkeypatch, capsys, failing):
+    """A full disk while writing any of eval's three files: the earlier eval's files stay as they were, all
+    three (never new predictions beside an old report, nor an old report deleted), and the message names the
+    file."""
+    import builtins
+
+    from summarizer import outputs
     from summarizer.__main__ import main
     tmp, args = trained_tiny
-    out = tmp / "consistent"
+    out = tmp / f"consistent_{failing}"
     assert main(["eval", *args, "eval.beam_size=1", f"eval.out_dir={out}"]) == 0
-    real = evaluate_mod.atomic_write
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
 
-    def full_disk(path, data):
-        if Path(path).name == "rouge.json":
+    class FullDisk:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def write(self, text):
             raise OSError(28, "No space left on device")
-        real(path, data)
-    monkeypatch.setattr(evaluate_mod, "atomic_write", full_disk)
+
+    def fake_open(path, *a, **k):
+        fh = builtins.open(path, *a, **k)
+        return FullDisk(fh) if Path(path).name.startswith(failing + ".") else fh
+    monkeypatch.setattr(outputs, "open", fake_open, raising=False)
     assert main(["eval", *args, "eval.beam_size=2", f"eval.out_dir={out}"]) == 1
-    assert "No space left on device" in capsys.readouterr().err
-    assert (out / "predictions.txt").exists() and not (out / "rouge.json").exists()
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and str(out / failing) in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -221,7 +221,7 @@ def test_a_worker_killed_by_sigkill_checkpoints_and_exits_instead_of_hanging(tin
 
 def test_a_run_dir_is_locked_while_its_run_lives(tmp_path, capsys):
     from summarizer.errors import ConfigError
-    from summarizer.outputs import hold_lock
+    from summarizer.outputs import hold_lock, release_lock
     held = hold_lock(tmp_path, "run.dir")
     with pytest.raises(ConfigError, match=rf"in use by process {os.getpid()} on .*start another run"):
         hold_lock(tmp_path, "run.dir")
@@ -230,6 +230,11 @@ def test_a_run_dir_is_locked_while_its_run_lives(tmp_path, capsys):
     (tmp_path / ".lock").write_text(f"process 999999999 on {os.uname().nodename} since 2026-01-01 00:00:00\n")
     hold_lock(tmp_path, "run.dir").close()  # a dead holder's lock is taken over, with a note
     assert "no longer running; taking it over" in capsys.readouterr().out
+    (tmp_path / ".lock").write_text(f"process 999999999 on {os.uname().nodename} since 2026-01-01 00:00:00\n")
+    release_lock(hold_lock(tmp_path, "run.dir"))  # a run that ends cleanly leaves no holder named ...
+    capsys.readouterr()
+    hold_lock(tmp_path, "run.dir").close()  # ... so the next run has nothing to take over
+    assert "taking it over" not in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -1,0 +1,156 @@
+"""The preparation pipeline: raw pairs -> cleaned -> SentencePiece -> memory-mappable token arrays + meta.json."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from data_prep.clean import clean_split, hold_out
+from data_prep.sources import PRODUCT_SPLITS, input_files, is_hub, load_splits
+from data_prep.tokenize import encode_split, token_dtype, write_split
+from data_prep.train_spm import train_spm
+from summarizer.config import DataConfig
+from summarizer.errors import DataError
+from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
+from summarizer.prepared import FORMAT_VERSION, META_FILE, SPM_FILE, split_files
+from summarizer.tokenizer import BOS, EOS, PAD, UNK
+
+PREP_VERSION = 1  # bump when cleaning or tokenization changes, so existing prepared dirs are rebuilt
+CACHE_DIR = ".hf_cache"  # datasets' cache inside data.dir: nothing is written to the home directory
+# Every data key that changes what prep writes; loader-only keys (batching, workers) are left out.
+OUTPUT_KEYS = ("source", "source_field", "target_field", "references_field", "splits", "valid_holdout",
+               "lowercase", "mask_digits", "max_source_words", "max_target_words", "vocab_size",
+               "spm_model_type", "spm_character_coverage", "spm_input_sentence_size")
+# Below this many rows per process, starting worker processes costs more than it saves.
+MIN_ROWS_PER_PROC = 20_000
+
+
+def fingerprint(cfg: DataConfig) -> str:
+    """sha256 over the inputs (paths, sizes, mtimes; or the hub name) and every output-affecting key."""
+    payload = {"format_version": FORMAT_VERSION, "prep_version": PREP_VERSION,
+               "data": {key: getattr(cfg, key) for key in OUTPUT_KEYS}}
+    if not is_hub(cfg.source):
+        payload["files"] = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in input_files(cfg)]
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def is_up_to_date(data_dir: Path, fp: str) -> bool:
+    try:
+        meta = json.loads((data_dir / META_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    needed = [SPM_FILE] + [f for split in meta.get("splits", {}) for f in split_files(split).values()]
+    return meta.get("fingerprint") == fp and all((data_dir / f).is_file() for f in needed)
+
+
+def worker_count(rows: int, num_proc: int) -> int | None:
+    """Processes for a `Dataset.map` over `rows` rows; None means in-process."""
+    procs = min(num_proc, rows // MIN_ROWS_PER_PROC)
+    return procs if procs > 1 else None
+
+
+def _load_and_clean(cfg: DataConfig, data_dir: Path) -> tuple[dict, dict, dict, int, list]:
+    """(cleaned splits, raw pair counts, drops per split and rule, pairs held out of train as valid, inputs read)."""
+    raw, ignored, inputs = load_splits(cfg, data_dir / CACHE_DIR)
+    if ignored:
+        print(f"note: source split(s) {', '.join(ignored)} are not mapped to train/valid/test and are ignored; "
+              f"to use one, give data.splits whole, e.g. data.splits='{{train: [train], test: [{ignored[0]}]}}'",
+              flush=True)
+    cleaned, dropped = {}, {}
+    for split, ds in raw.items():
+        cleaned[split], dropped[split] = clean_split(ds, cfg, split, worker_count(len(ds), cfg.num_proc))
+    if len(cleaned["train"]) == 0:
+        raise DataError(f"cleaning dropped every train pair ({dropped['train']}): check data.max_source_words, "
+                        f"data.max_target_words and data.source_field/target_field")
+    held = 0
+    if cfg.valid_holdout > 0 and "valid" in cleaned:
+        print("note: data.valid_holdout is ignored because a valid split is mapped", flush=True)
+    elif cfg.valid_holdout > 0:
+        cleaned["train"], cleaned["valid"] = hold_out(cleaned["train"], cfg.valid_holdout)
+        held = len(cleaned["valid"])
+    for split in [s for s, ds in cleaned.items() if len(ds) == 0]:
+        print(f"note: every {split} pair was dropped ({dropped[split]}); no {split} split is written", flush=True)
+        del cleaned[split]
+    raw_pairs = {split: len(ds) for split, ds in raw.items()}
+    if held:  # the held-out valid split starts clean: raw == pairs, nothing dropped
+        raw_pairs["valid"], dropped["valid"] = held, dict.fromkeys(dropped["train"], 0)
+    ordered = {split: cleaned[split] for split in PRODUCT_SPLITS if split in cleaned}
+    return ordered, raw_pairs, dropped, held, inputs
+
+
+def refuse_silent_rebuild(data_dir: Path, cfg: DataConfig) -> None:
+    """A prepared dir whose inputs or settings changed is rebuilt only when asked (data.rebuild=true): the
+    rebuild trains a new tokenizer, and runs trained on the old one could no longer be resumed or evaluated."""
+    try:
+        old = json.loads((data_dir / META_FILE).read_text())
+    except (OSError, ValueError):
+        return  # nothing prepared there (or a broken remnant): nothing a run could depend on
+    if cfg.rebuild:
+        return
+    changed = [f"vocab_size {old.get('requested_vocab_size')} -> {cfg.vocab_size}"] \
+        if old.get("requested_vocab_size") != cfg.vocab_size else []
+    changed += [f"data.source {old.get('source')!r} -> {cfg.source!r}"] if old.get("source") != cfg.source else []
+    raise DataError(f"data.dir={data_dir} holds data prepared from other inputs or settings "
+                    f"({'; '.join(changed) or 'the input files or other data.* keys changed'}). Rebuilding it "
+                    f"replaces its tokenizer, and runs trained on it could no longer resume or be evaluated. "
+                    f"Prepare into a new data.dir, or pass data.rebuild=true to replace it")
+
+
+def _clear_outputs(data_dir: Path) -> None:
+    """Without meta.json the dir reads as unprepared, so a crash from here on is never mistaken for success."""
+    (data_dir / META_FILE).unlink(missing_ok=True)
+    for split in PRODUCT_SPLITS:
+        for name in split_files(split).values():
+            (data_dir / name).unlink(missing_ok=True)
+
+
+def prepare(cfg: DataConfig) -> dict | None:
+    """Prepare cfg.dir from cfg.source; returns the new meta, or None when it was already up to date."""
+    start = time.perf_counter()
+    data_dir = Path(cfg.dir)
+    if not is_hub(cfg.source):
+        refuse_overlap(data_dir, input_files(cfg) + ([cfg.source] if isinstance(cfg.source, str) else []), "data.dir")
+    fp = fingerprint(cfg)
+    if is_up_to_date(data_dir, fp):
+        print(f"{data_dir} is up to date (same inputs and data settings): nothing to do", flush=True)
+        return None
+    claim_dir(data_dir, "data", "data.dir", legacy=(META_FILE,))
+    refuse_silent_rebuild(data_dir, cfg)
+    cleaned, raw_pairs, dropped, held, inputs = _load_and_clean(cfg, data_dir)
+    spm_model, spm_info = train_spm(cleaned["train"], cfg)
+    _clear_outputs(data_dir)  # only now: every failure a user can cause has happened by here
+    atomic_write(data_dir / SPM_FILE, spm_model)
+    dtype = token_dtype(spm_info["vocab_size"])
+    stats = {}
+    for split, pairs in cleaned.items():
+        encoded = encode_split(pairs, data_dir / SPM_FILE, spm_info["sha256"], split,
+                               worker_count(len(pairs), cfg.num_proc))
+        stats[split] = write_split(data_dir, split, pairs, encoded, dtype)
+    meta = {
+        "format_version": FORMAT_VERSION, "vocab_size": spm_info["vocab_size"],
+        "requested_vocab_size": spm_info["requested_vocab_size"],
+        "special_ids": {"pad": PAD, "unk": UNK, "bos": BOS, "eos": EOS},
+        "spm_model": SPM_FILE, "spm_sha256": spm_info["sha256"], "dtype": dtype.name,
+        "normalization": {"lowercase": cfg.lowercase, "mask_digits": cfg.mask_digits},
+        "source": cfg.source, "splits": stats, "raw_pairs": raw_pairs, "dropped": dropped,
+        "held_out_as_valid": held, "inputs": inputs, "fingerprint": fp,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    # Written last: its presence (with this fingerprint) is what marks the dir as prepared.
+    atomic_write(data_dir / META_FILE, json.dumps(meta, indent=2) + "\n")
+    print(summary_line(data_dir, meta), flush=True)
+    return meta
+
+
+def summary_line(data_dir: Path, meta: dict) -> str:
+    names = [META_FILE, SPM_FILE] + [f for split in meta["splits"] for f in split_files(split).values()]
+    size = sum((data_dir / name).stat().st_size for name in names)
+    pairs = ", ".join(f"{split} {s['pairs']:,}" for split, s in meta["splits"].items())
+    rules = {}
+    for counts in meta["dropped"].values():
+        for rule, n in counts.items():
+            rules[rule] = rules.get(rule, 0) + n
+    drops = ", ".join(f"{rule} {n:,}" for rule, n in rules.items() if n) or "none"
+    return (f"prepared {data_dir}: pairs {pairs}; dropped {sum(rules.values()):,} ({drops}); "
+            f"vocab {meta['vocab_size']:,}; {meta['seconds']:.1f}s; {size / 2**20:.1f} MiB")
