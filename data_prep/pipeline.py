@@ -30,6 +30,8 @@ def fingerprint(cfg: DataConfig) -> str:
     """sha256 over the inputs (paths, sizes, mtimes; or the hub name) and every output-affecting key."""
     payload = {"format_version": FORMAT_VERSION, "prep_version": PREP_VERSION,
                "data": {key: getattr(cfg, key) for key in OUTPUT_KEYS}}
+    if cfg.source_tag:  # only when set, so dirs prepared before the key existed stay up to date
+        payload["data"]["source_tag"] = cfg.source_tag
     if not is_hub(cfg.source):
         payload["files"] = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in input_files(cfg)]
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
@@ -79,6 +81,17 @@ def _load_and_clean(cfg: DataConfig, data_dir: Path) -> tuple[dict, dict, dict, 
     return ordered, raw_pairs, dropped, held, inputs
 
 
+def source_tags(splits: dict, source_tag: str) -> list[str]:
+    """The tags that get a piece (data.source_tag set): every split's, which must include data.source_tag."""
+    if not source_tag:
+        return []
+    tags = sorted({t for ds in splits.values() for t in ds.unique("tag")} - {""})
+    if source_tag not in tags:
+        raise DataError(f"data.source_tag={source_tag!r} is not the tag of any data.source entry (tags: "
+                        f"{', '.join(tags) or 'none'}): give one entry `tag: {source_tag}`, or set data.source_tag='' ")
+    return tags
+
+
 def refuse_silent_rebuild(data_dir: Path, cfg: DataConfig) -> None:
     """A prepared dir whose inputs or settings changed is rebuilt only when asked (data.rebuild=true): the
     rebuild trains a new tokenizer, and runs trained on the old one could no longer be resumed or evaluated."""
@@ -118,21 +131,23 @@ def prepare(cfg: DataConfig) -> dict | None:
     claim_dir(data_dir, "data", "data.dir", legacy=(META_FILE,))
     refuse_silent_rebuild(data_dir, cfg)
     cleaned, raw_pairs, dropped, held, inputs = _load_and_clean(cfg, data_dir)
-    spm_model, spm_info = train_spm(cleaned["train"], cfg)
+    tags = source_tags(cleaned, cfg.source_tag)
+    spm_model, spm_info = train_spm(cleaned["train"], cfg, tags)
     _clear_outputs(data_dir)  # only now: every failure a user can cause has happened by here
     atomic_write(data_dir / SPM_FILE, spm_model)
     dtype = token_dtype(spm_info["vocab_size"])
     stats = {}
     for split, pairs in cleaned.items():
         encoded = encode_split(pairs, data_dir / SPM_FILE, spm_info["sha256"], split,
-                               worker_count(len(pairs), cfg.num_proc))
+                               worker_count(len(pairs), cfg.num_proc), cfg.source_tag)
         stats[split] = write_split(data_dir, split, pairs, encoded, dtype)
     meta = {
         "format_version": FORMAT_VERSION, "vocab_size": spm_info["vocab_size"],
         "requested_vocab_size": spm_info["requested_vocab_size"],
         "special_ids": {"pad": PAD, "unk": UNK, "bos": BOS, "eos": EOS},
         "spm_model": SPM_FILE, "spm_sha256": spm_info["sha256"], "dtype": dtype.name,
-        "normalization": {"lowercase": cfg.lowercase, "mask_digits": cfg.mask_digits},
+        "normalization": {"lowercase": cfg.lowercase, "mask_digits": cfg.mask_digits,
+                          **({"source_tag": cfg.source_tag} if cfg.source_tag else {})},
         "source": cfg.source, "splits": stats, "raw_pairs": raw_pairs, "dropped": dropped,
         "held_out_as_valid": held, "inputs": inputs, "fingerprint": fp,
         "seconds": round(time.perf_counter() - start, 2),

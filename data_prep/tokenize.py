@@ -22,24 +22,29 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class _Encoder:
     """Batched encode for `Dataset.map`; pickled to worker processes, where the model is loaded once."""
 
-    def __init__(self, model_path: Path, sha256: str):
+    def __init__(self, model_path: Path, sha256: str, source_tag: str):
         # sha256 is part of the pickled state, so datasets' fingerprint of this map changes with the model.
-        self.model_path, self.sha256, self._tokenizer = str(model_path), sha256, None
+        self.model_path, self.sha256, self.source_tag, self._tokenizer = str(model_path), sha256, source_tag, None
 
     def __getstate__(self):
-        return {"model_path": self.model_path, "sha256": self.sha256, "_tokenizer": None}
+        return {**self.__dict__, "_tokenizer": None}
 
     def __call__(self, batch: dict) -> dict:
         if self._tokenizer is None:
             self._tokenizer = Tokenizer(self.model_path)
-        return {"src_ids": self._tokenizer.encode_batch(batch["source"]),
-                "tgt_ids": self._tokenizer.encode_batch(batch["target"])}
+        sources = self._tokenizer.encode_batch(batch["source"])
+        if self.source_tag:  # each pair's tag piece first; untagged pairs get data.source_tag's
+            sources = [[self._tokenizer.tag_id(tag or self.source_tag), *ids]
+                       for tag, ids in zip(batch["tag"], sources, strict=True)]
+        return {"src_ids": sources, "tgt_ids": self._tokenizer.encode_batch(batch["target"])}
 
 
-def encode_split(pairs: Dataset, model_path: Path, sha256: str, name: str, num_proc: int | None) -> Dataset:
-    """Columns src_ids, tgt_ids (no BOS/EOS: the data loader adds them), in the order of `pairs`."""
+def encode_split(pairs: Dataset, model_path: Path, sha256: str, name: str, num_proc: int | None,
+                 source_tag: str = "") -> Dataset:
+    """Columns src_ids, tgt_ids (no BOS/EOS: the data loader adds them), in the order of `pairs`; with
+    `source_tag` (data.source_tag), each source starts with its pair's tag piece, or that tag's."""
     features = Features({"src_ids": List(Value("int32")), "tgt_ids": List(Value("int32"))})
-    return pairs.map(_Encoder(model_path, sha256), batched=True, num_proc=num_proc, features=features,
+    return pairs.map(_Encoder(model_path, sha256, source_tag), batched=True, num_proc=num_proc, features=features,
                      remove_columns=pairs.column_names, keep_in_memory=True, desc=f"Tokenizing {name}")
 
 

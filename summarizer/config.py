@@ -65,6 +65,9 @@ class DataConfig:
     train_limit: int = key(0, low=0)  # >0: train on only the first N prepared train pairs (overfit checks)
     lowercase: bool = True  # applied at prep and at `summarize`
     mask_digits: bool = True  # every digit -> '#', as Gigaword's preprocessing did
+    # a tag name: each pair's source tag (data.source entries' `tag`) is one piece before its source; text with
+    # no tag (untagged splits, eval.pairs, `summarize` input) gets this one; "" = no tag pieces
+    source_tag: str = ""
     max_source_words: int = key(120, above=0)  # cleaning: longer pairs are dropped and counted
     max_target_words: int = key(40, above=0)
     vocab_size: int = key(8000, above=0)

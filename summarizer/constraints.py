@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from summarizer.tokenizer import BOS, EOS, PAD, UNK, Tokenizer
+from summarizer.tokenizer import BOS, EOS, PAD, TAG_PIECE, UNK, Tokenizer
 
 WORD_START = "\u2581"  # SentencePiece's word-start marker
 UNKNOWN_TEXT = "\u2047"  # an UNK piece's text in a word (how SentencePiece writes it)
@@ -30,7 +30,9 @@ class Lexicon:
 
     def __init__(self, tokenizer: Tokenizer, known_words: Iterable[str]):
         pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
-        special = {PAD, UNK, BOS, EOS} | {i for i in range(len(pieces)) if tokenizer.sp.is_control(i)}
+        tag_start, tag_end = TAG_PIECE.split("{}")
+        special = {PAD, UNK, BOS, EOS} | {i for i, p in enumerate(pieces) if tokenizer.sp.is_control(i)
+                                          or (p.startswith(tag_start) and p.endswith(tag_end))}  # source tags
         self.vocab_size = len(pieces)
         self.starts_word = [p.startswith(WORD_START) and i not in special for i, p in enumerate(pieces)]
         self.text = ["" if i in special else p.replace(WORD_START, "") for i, p in enumerate(pieces)]

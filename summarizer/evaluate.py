@@ -66,7 +66,7 @@ def summary_text(ids: list[int], source: str, tokenizer: Tokenizer, meta: dict, 
     if copied is None:
         text = tokenizer.decode(ids)
     else:
-        pieces = tokenizer.pieces(normalize(source, norm["lowercase"], norm["mask_digits"]))
+        pieces = tokenizer.pieces_raw(source, norm)
         text = tokenizer.decode(ids, {t: pieces[s] for t, s in copied.items() if s < len(pieces)})
     if norm["mask_digits"]:
         text = restore_digits(text, source)

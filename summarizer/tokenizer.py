@@ -12,6 +12,8 @@ from summarizer.errors import DataError
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 # Gigaword's own unknown *word*; a user-defined piece (one id), distinct from SentencePiece's UNK.
 UNK_WORD = "<unk>"
+# The piece of a source tag (data.source_tag): one user-defined piece per tag, first on the encoder input.
+TAG_PIECE = "<tag:{}>"
 
 # Gigaword writes the unknown word `<unk>` in train/valid but `UNK` in its test set
 # (https://github.com/harvardnlp/sent-summary); only a whole-word UNK is that token.
@@ -73,9 +75,25 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text, out_type=int)
 
+    def tag_id(self, tag: str) -> int:
+        """The id of source tag `tag`'s piece."""
+        piece = TAG_PIECE.format(tag)
+        if self.sp.piece_to_id(piece) == self.sp.unk_id():
+            raise DataError(f"{self.path} has no piece {piece}: the data was prepared without that source tag")
+        return self.sp.piece_to_id(piece)
+
     def encode_raw(self, text: str, normalization: dict) -> list[int]:
-        """Raw text (as a user types it) -> ids, normalised as the training data was (meta.json's `normalization`)."""
-        return self.encode(normalize(text, normalization["lowercase"], normalization["mask_digits"]))
+        """Raw text (as a user types it) -> ids, normalised as the training data was (meta.json's `normalization`),
+        after the piece of its `source_tag` where the data has tags."""
+        tag = normalization.get("source_tag")
+        ids = self.encode(normalize(text, normalization["lowercase"], normalization["mask_digits"]))
+        return [self.tag_id(tag), *ids] if tag else ids
+
+    def pieces_raw(self, text: str, normalization: dict) -> list[str]:
+        """The pieces of `encode_raw(text, normalization)`, one per id."""
+        tag = normalization.get("source_tag")
+        pieces = self.pieces(normalize(text, normalization["lowercase"], normalization["mask_digits"]))
+        return [TAG_PIECE.format(tag), *pieces] if tag else pieces
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.sp.encode(list(texts), out_type=int)

@@ -393,3 +393,43 @@ def test_if_missing_prepares_only_an_unprepared_dir(tmp_path, capsys):
     before = (tmp_path / "meta.json").read_text()
     assert main([*args[:2], "data.source=/nowhere", "data.vocab_size=99"]) == 0
     assert capsys.readouterr().out == "" and (tmp_path / "meta.json").read_text() == before
+
+
+def test_source_tags_put_each_pairs_tag_piece_first_and_untagged_text_gets_the_asked_one(tmp_path):
+    """data.source_tag: every tag is one piece, first in its pairs' sources; untagged splits, eval.pairs and
+    `summarize` text get data.source_tag's; the word rules never offer a tag piece as a word."""
+    import numpy as np
+
+    from data_prep import prepare
+    from summarizer.constraints import Lexicon
+    from summarizer.tokenizer import Tokenizer
+    days = ("monday", "tuesday", "sunday")
+    wire = _write_jsonl(tmp_path / "wire.jsonl", [{"source": f"oil prices rose sharply on {day} .",
+                                                   "target": "OIL PRICES RISE"} for day in days])
+    news = _write_jsonl(tmp_path / "news.jsonl", [{"source": f"the mayor opened a new park on {day} .",
+                                                   "target": "mayor opens park"} for day in days])
+    source = {"train": [{"path": str(news), "tag": "news"}, {"path": str(wire), "tag": "wire"}],
+              "test": [str(news)]}
+    cfg = data_config(tmp_path / "out", "data.splits={train: [train], test: [test]}", "data.vocab_size=60",
+                      "data.valid_holdout=0", "data.source_tag=news")
+    cfg.source = source
+    meta = prepare(cfg)
+    assert meta["normalization"]["source_tag"] == "news"
+    tok = Tokenizer(tmp_path / "out" / "spm.model")
+    news_id, wire_id = tok.tag_id("news"), tok.tag_id("wire")
+    firsts = {}
+    for split in ("train", "test"):
+        src = np.load(tmp_path / "out" / f"{split}.src.npy")
+        firsts[split] = src[np.load(tmp_path / "out" / f"{split}.src_offsets.npy")[:-1]].tolist()
+    assert sorted(firsts["train"]) == sorted([news_id] * 3 + [wire_id] * 3)
+    assert firsts["test"] == [news_id] * 3  # untagged: the asked-for tag
+    ids = tok.encode_raw("the mayor opened a park", meta["normalization"])
+    assert ids[0] == news_id and ids[1:] == tok.encode("the mayor opened a park")
+    assert len(tok.pieces_raw("the mayor opened a park", meta["normalization"])) == len(ids)
+    lexicon = Lexicon(tok, ["mayor", "park"])
+    assert not lexicon.text[news_id] and not lexicon.starts_word[news_id]
+    assert news_id not in lexicon.source_words(ids).get((), {})
+    cfg.source_tag, cfg.rebuild = "sport", True
+    with pytest.raises(DataError, match=r"data.source_tag='sport' is not the tag of any data.source entry "
+                                        r"\(tags: news, wire\)"):
+        prepare(cfg)
