@@ -135,3 +135,26 @@ def summarize_row(cfg: Config) -> dict:
 
     result, _ = alternate({"on": lambda: run(cfg), "off": lambda: run(unquantized)}, cfg, n)
     return result
+
+
+def profile_row(cfg: Config, beam: int = 4, top: int = 12) -> dict:
+    """Where a default-eval decode of the bench sources spends its time, by torch.profiler on one thread:
+    the wall time, the share inside torch operators (their self times summed) and the rest (Python: the
+    search's bookkeeping, the word rules), and the operators that take most, each with its calls."""
+    from torch.profiler import ProfilerActivity, profile
+    rt = runtime.setup(cfg, decoding_precision(cfg))
+    sources, _ = _sources(cfg)
+    lex = lexicon(cfg.data.dir)
+    model = _model(cfg, rt, resolve_quantize(cfg.eval.quantize, rt))
+    settings = dataclasses.replace(cfg.eval, beam_size=beam, threads=1)
+    decode_all(model, sources[:64], settings, rt, lexicon=lex)  # warm-up: first-call kernel selection
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        started = time.perf_counter()
+        decode_all(model, sources, settings, rt, lexicon=lex)
+        wall = time.perf_counter() - started
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    in_ops = sum(e.self_cpu_time_total for e in events) / 1e6
+    return {"beam": beam, "sentences": len(sources), "wall_s": wall, "ops_s": in_ops,
+            "ops_share": in_ops / wall, "top_ops": [
+                {"op": e.key, "calls": e.count, "self_s": e.self_cpu_time_total / 1e6,
+                 "share": e.self_cpu_time_total / 1e6 / wall} for e in events[:top]]}

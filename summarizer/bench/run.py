@@ -14,7 +14,7 @@ import torch
 
 from summarizer import runtime
 from summarizer.bench import memory as bench_memory
-from summarizer.bench.decoding import decode_row, summarize_row, weights
+from summarizer.bench.decoding import decode_row, profile_row, summarize_row, weights
 from summarizer.config import Config, from_dict, to_dict
 from summarizer.data import PairDataset, TokenBatchSampler, make_loader, padding_fraction
 from summarizer.decoding import decode_all
@@ -281,12 +281,14 @@ def run_bench(cfg: Config) -> list[dict]:
     claim_dir(cfg.run_dir, "run", "run.dir", legacy=("bench.json",))
     table = rows(cfg)
     wanted = cfg.bench.rows or list(table) + [n for n in NOT_HERE if n not in table]
-    unknown = [n for n in wanted if n not in table and n not in NOT_HERE]
+    unknown = [n for n in wanted if n not in table and n not in NOT_HERE and n != "decode_profile"]
     if unknown:
         from summarizer.errors import ConfigError
         raise ConfigError(f"unknown bench rows {unknown}; choose from {sorted(set(table) | set(NOT_HERE))}")
     results = []
     for name in wanted:
+        if name == "decode_profile":
+            continue  # not an on/off pair: measured after the rows
         if name not in table:
             results.append({"practice": name, "skipped": NOT_HERE[name]})
             continue
@@ -304,6 +306,10 @@ def run_bench(cfg: Config) -> list[dict]:
                         **({"padding_on": values["on"]["padding"], "padding_off": values["off"]["padding"]}
                            if "padding" in values["on"] and name == "bucketing" else {}),
                         **{k: v for k, v in values.items() if k not in ("on", "off")}})
+    if "decode_profile" in wanted or not cfg.bench.rows:
+        print("bench: decode_profile (where a beam-4 default-eval decode spends its time) ...", file=sys.stderr,
+              flush=True)
+        results.append({"practice": "decode_profile", **profile_row(cfg)})
     if cfg.bench.find_batch_tokens:
         results.append(batch_search_row(cfg))
     write_outputs(cfg, results)
@@ -327,6 +333,11 @@ def markdown(results: list[dict]) -> str:
             lines.append(f"| {r['practice']} | not measured: {r['skipped']} | | | | |")
         elif "error" in r:
             lines.append(f"| {r['practice']} | {r['compared']} | failed: {r['error']} | | | |")
+        elif r["practice"] == "decode_profile":
+            ops = ", ".join(f"{o['op']} {o['share']:.0%} ({o['calls']} calls)" for o in r["top_ops"][:6])
+            lines.append(f"| decode_profile | beam-{r['beam']} default eval of {r['sentences']} sentences, one thread, "
+                         f"torch.profiler: {r['ops_share']:.0%} of {r['wall_s']:.2f} s inside torch operators, the "
+                         f"rest Python; most: {ops} | | | | |")
         elif r["practice"] == "max_batch_tokens":
             lines.append(f"| max_batch_tokens | {r['compared']} (budget {r['budget_mb']:.0f} MiB) | "
                          f"{r['batch_tokens']} | | tokens | lr {r['lr_linear_rule']:.2g} (linear rule), "

@@ -93,3 +93,14 @@ def test_compile_row_measures_or_reports_why_not(cfg):
     (row,) = run_bench(cfg)
     assert "error" not in row, row["error"]  # torch.compile works on this platform: the row must measure it
     assert row["on"]["median"] > 0 and row["off"]["median"] > 0 and row["ratio"] > 0
+
+
+def test_decode_profile_row_splits_the_wall_time_into_operators_and_the_rest(cfg):
+    cfg.bench.rows, cfg.bench.find_batch_tokens = ["decode_profile"], False
+    [row] = run_bench(cfg)
+    assert row["practice"] == "decode_profile" and row["sentences"] == 4 and row["beam"] == 4
+    assert 0 < row["ops_s"] and 0 < row["ops_share"] <= 1.05  # the profiler's own overhead aside, within the wall
+    assert row["top_ops"] and all(o["op"].startswith("aten::") and o["calls"] > 0 for o in row["top_ops"])
+    shares = [o["share"] for o in row["top_ops"]]
+    assert shares == sorted(shares, reverse=True)
+    assert "| decode_profile | beam-4 default eval of 4 sentences" in (cfg.run_dir / "bench.md").read_text()
