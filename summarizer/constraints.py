@@ -4,14 +4,19 @@ and no word comes twice. A word is what the pieces between two word starts (Sent
 A model that strings subword pieces freely can write words that do not exist ("supercomput", "yitz")
 or repeat itself ("heavy heavy turnout"). Here every hypothesis carries the word it is spelling. A piece
 may only extend it towards a known word that the hypothesis has not used yet (a prefix tree over the
-pieces of every known word, and a small one over its source's words), and the word may only end (at
-the next word start, or EOS) once it is complete and unused. Since every allowed piece keeps an unused
-word within reach, a hypothesis never spells itself into a dead end.
+pieces of every known word, and the words of its source), and the word may only end (at the next word
+start, or EOS) once it is complete and unused. Since every allowed piece keeps an unused word within
+reach, a hypothesis never spells itself into a dead end.
+
+Every rule is tensor arithmetic over all the rows of a step at once: the tree is stored as sorted edge
+keys and an ancestor table, each row's state (its word's pieces, tree node and text hash, the words it has
+finished) as tensors that beams reorder by indexing. Words are compared by a 62-bit hash of their text
+(two 31-bit polynomial hashes), which a row extends piece by piece.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,19 +26,36 @@ from summarizer.tokenizer import BOS, EOS, PAD, TAG_PIECE, UNK, Tokenizer
 
 WORD_START = "\u2581"  # SentencePiece's word-start marker
 UNKNOWN_TEXT = "\u2047"  # an UNK piece's text in a word (how SentencePiece writes it)
+HASH_BASE, HASH_P1, HASH_P2 = 1_000_003, 2_147_483_647, 2_147_483_629  # two primes below 2**31
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def text_hash(text: str) -> tuple[int, int]:
+    """The two polynomial hashes of `text` (code points + 1, base HASH_BASE): the hash of a + b is
+    hash(a) * HASH_BASE**len(b) + hash(b), so a row extends its word's hash piece by piece."""
+    h1 = h2 = 0
+    for ch in text:
+        h1, h2 = (h1 * HASH_BASE + ord(ch) + 1) % HASH_P1, (h2 * HASH_BASE + ord(ch) + 1) % HASH_P2
+    return h1, h2
+
+
+def _combined(h1, h2):
+    """One 62-bit key of the two hashes (ints or int64 tensors)."""
+    return (h1 << 31) | h2
 
 
 class Lexicon:
     """What the rules need from a tokenizer and a vocabulary of known words: each piece's text, whether it
-    starts a word and its UTF-8 length, and a prefix tree over the pieces of every known word (node 0 is
-    the root; `words_below[n]` counts the complete words at or under node n)."""
+    starts a word and its UTF-8 length, and a prefix tree over the pieces of every known word (node 0 is the
+    root), stored as tensors: edges sorted by parent * V + piece, each node's depth, ancestors, text hash,
+    whether a word ends there and how many words lie at or under it (`words_below`)."""
 
     def __init__(self, tokenizer: Tokenizer, known_words: Iterable[str]):
         pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
         tag_start, tag_end = TAG_PIECE.split("{}")
         special = {PAD, UNK, BOS, EOS} | {i for i, p in enumerate(pieces) if tokenizer.sp.is_control(i)
                                           or (p.startswith(tag_start) and p.endswith(tag_end))}  # source tags
-        self.vocab_size = len(pieces)
+        self.vocab_size = v = len(pieces)
         self.starts_word = [p.startswith(WORD_START) and i not in special for i, p in enumerate(pieces)]
         self.text = ["" if i in special else p.replace(WORD_START, "") for i, p in enumerate(pieces)]
         # A character outside the vocabulary is an UNK piece inside its word: a source word holding one may be
@@ -42,215 +64,261 @@ class Lexicon:
         self.text[UNK] = UNKNOWN_TEXT
         self.piece_bytes = torch.tensor([len(p.replace(WORD_START, " ").encode()) if i not in special else 0
                                          for i, p in enumerate(pieces)], dtype=torch.float32)
-        self.children: list[dict[int, int]] = [{}]
-        self.parent: list[int] = [-1]
-        self.piece_into: list[int] = [-1]  # the piece that leads from a node's parent to it
-        self.complete: list[bool] = [False]
+        hashes = [text_hash(t) for t in self.text]
+        self.piece_h1, self.piece_h2 = (torch.tensor([h[k] for h in hashes]) for k in (0, 1))
+        self.piece_pow1, self.piece_pow2 = (torch.tensor([pow(HASH_BASE, len(t), p) for t in self.text])
+                                            for p in (HASH_P1, HASH_P2))
+        self.starts = torch.tensor(self.starts_word)  # (V,) pieces that start a word
+        self.has_text = torch.tensor([bool(t) for t in self.text])  # (V,) pieces that write characters
+        parent, piece_into, complete, texts = [-1], [-1], [False], [""]
+        edges: dict[tuple[int, int], int] = {}
         for ids in tokenizer.encode_batch(sorted(set(known_words))):
-            self._insert(ids)
-        self.words_below = [int(c) for c in self.complete]
-        for node in range(len(self.children) - 1, 0, -1):  # children come after their parents
-            self.words_below[self.parent[node]] += self.words_below[node]
-        # The node's ancestor just below the root: the subtree of words sharing its first piece.
-        self.top = [0] + [node if self.parent[node] == 0 else 0 for node in range(1, len(self.children))]
-        for node in range(1, len(self.children)):
-            if self.parent[node] != 0:
-                self.top[node] = self.top[self.parent[node]]
-        self._child_pieces: dict[int, np.ndarray] = {}  # node -> its children's pieces, built on first use
-        self.any_start = torch.tensor(self.starts_word)  # (V,) pieces that start a word
-        self.known_starts = torch.zeros(self.vocab_size, dtype=torch.bool)  # (V,) first pieces of known words
-        self.known_starts[list(self.children[0])] = True
+            if not ids or not self.starts_word[ids[0]] or UNK in ids or any(not self.text[i] for i in ids[1:]):
+                continue  # not a word of pieces (a character outside the vocabulary became UNK)
+            node = 0
+            for i in ids:
+                if (node, i) not in edges:
+                    edges[node, i] = len(parent)
+                    parent.append(node)
+                    piece_into.append(i)
+                    complete.append(False)
+                    texts.append(texts[node] + self.text[i])
+                node = edges[node, i]
+            complete[node] = True
+        n = len(parent)
+        self.parent, self.piece_into = torch.tensor(parent), torch.tensor(piece_into)
+        self.complete = torch.tensor(complete)
+        depth = [0] * n
+        for node in range(1, n):  # parents come before their children
+            depth[node] = depth[parent[node]] + 1
+        self.depth = torch.tensor(depth)
+        # ancestors[node, d]: the node's ancestor at depth d (itself at its own depth), -1 below it
+        self.ancestors = torch.full((n, max(depth) + 2), -1, dtype=torch.long)
+        self.ancestors[0, 0] = 0
+        for d in range(1, max(depth) + 1):
+            level = (self.depth == d).nonzero().squeeze(1)
+            self.ancestors[level] = self.ancestors[self.parent[level]]
+            self.ancestors[level, d] = level
+        below = np.asarray(complete, dtype=np.int64)
+        for node in range(n - 1, 0, -1):  # children come after their parents
+            below[parent[node]] += below[node]
+        self.words_below = torch.from_numpy(below)
+        keys = sorted((p * v + i, child) for (p, i), child in edges.items())
+        self.edge_key = torch.tensor([k for k, _ in keys], dtype=torch.long)
+        self.edge_child = torch.tensor([c for _, c in keys], dtype=torch.long)
+        self.first_edge = torch.searchsorted(self.edge_key, torch.arange(n + 1) * v)  # (N + 1,) CSR by parent
+        self.root_child = torch.full((v,), -1, dtype=torch.long)  # (V,) the node a word start leads to
+        roots = self.edge_key < v
+        self.root_child[self.edge_key[roots]] = self.edge_child[roots]
+        self.known_starts = self.root_child >= 0  # (V,) first pieces of known words
+        self._on: dict[torch.device, Lexicon] = {}
 
-    def _insert(self, ids: list[int]) -> None:
-        if not ids or not self.starts_word[ids[0]] or UNK in ids or any(not self.text[i] for i in ids[1:]):
-            return  # not a word of pieces (a character outside the vocabulary became UNK)
-        node = 0
-        for i in ids:
-            if i not in self.children[node]:
-                self.children[node][i] = len(self.children)
-                self.children.append({})
-                self.parent.append(node)
-                self.piece_into.append(i)
-                self.complete.append(False)
-            node = self.children[node][i]
-        self.complete[node] = True
+    def on(self, device: torch.device) -> Lexicon:
+        """This lexicon with its tensors on `device` (made once per device)."""
+        if device.type == "cpu":
+            return self
+        if device not in self._on:
+            moved = object.__new__(Lexicon)
+            moved.__dict__ = {k: (t.to(device) if isinstance(t, Tensor) else t) for k, t in self.__dict__.items()}
+            self._on[device] = moved
+        return self._on[device]
 
-    def child_pieces(self, node: int) -> np.ndarray:
-        """The pieces that lead from `node` to its children, as an array (cached)."""
-        pieces = self._child_pieces.get(node)
-        if pieces is None:
-            pieces = self._child_pieces[node] = np.fromiter(self.children[node], dtype=np.int64)
-        return pieces
-
-    def source_words(self, src_ids: list[int]) -> dict[tuple, dict[int, set]]:
-        """A source's words as a prefix tree: each piece prefix of a word (the empty one included) -> next
-        piece -> the words that way; a complete word's pieces map EOS to it."""
-        tree: dict[tuple, dict[int, set]] = {}
-        word: list[int] = []
+    def source_words(self, src_ids: list[int]) -> list[tuple[list[int], str]]:
+        """A source's words: (pieces, text) each, in order; a word holding a piece that writes nothing
+        after its first is left out."""
+        words, word = [], []
         for i in [*src_ids, None]:
             if (i is None or self.starts_word[i]) and word:
                 if all(self.text[p] for p in word[1:]):
-                    text = "".join(self.text[p] for p in word)
-                    for cut in range(len(word) + 1):
-                        step = word[cut] if cut < len(word) else EOS
-                        tree.setdefault(tuple(word[:cut]), {}).setdefault(step, set()).add(text)
+                    words.append((word, "".join(self.text[p] for p in word)))
                 word = []
             if i is not None and (self.text[i] or self.starts_word[i]):
                 word.append(i)
-        return tree
+        return words
 
 
-def _index(values: list[int], device: torch.device) -> Tensor:
-    """A Python list of indices as a tensor, through numpy: indexing with the list itself converts it
-    element by element, 5x slower at the tens of thousands of (row, piece) pairs a step allows."""
-    return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
-
-
-class Spelling(NamedTuple):
-    """One hypothesis: the word it is spelling (pieces, text, node of the known-word tree or -1), the words
-    it has finished, and the tree nodes of those that are known words. (A tuple: a beam step makes one per
-    row, and a tuple is made 4x faster than a frozen dataclass.)"""
-    pieces: tuple = ()
-    text: str = ""
-    node: int = 0
-    words: frozenset = frozenset()
-    used: tuple = ()
+def _widen(t: Tensor, columns: int) -> Tensor:
+    """`t` (R, C) with at least `columns` columns, new ones -1."""
+    if t.shape[1] >= columns:
+        return t
+    return torch.cat([t, t.new_full((t.shape[0], max(columns, 2 * t.shape[1]) - t.shape[1]), -1)], dim=1)
 
 
 class WordRules:
-    """The rows of one decoding batch: which pieces each may emit next (`mask`), and how each spelling
-    moves on when beams are reordered or finished sentences dropped (`advance`, `select`). With
-    `known_only` off, only repeats are ruled out."""
+    """The rows of one decoding batch: which pieces each may emit next (`mask`), and how each row's word
+    moves on when beams are reordered or finished sentences drop out (`advance`, `select`). With
+    `known_only` off, only repeats are ruled out. Row r belongs to sentence r // group."""
 
-    def __init__(self, lexicon: Lexicon, sources: list[list[int]], group: int, known_only: bool, no_repeat: bool):
-        self.lexicon, self.known_only, self.no_repeat, self.group = lexicon, known_only, no_repeat, group
-        self.sources = [lexicon.source_words(s) for s in sources]  # per sentence
-        self.rows = [Spelling() for _ in range(len(sources) * group)]
-        self._starts_cache: dict[tuple, list[int]] = {}  # (sentence, words used) -> source word starts
+    def __init__(self, lexicon: Lexicon, sources: list[list[int]], group: int, known_only: bool, no_repeat: bool,
+                 device: torch.device | str = "cpu"):
+        self.lex = lex = lexicon.on(torch.device(device))
+        self.known_only, self.no_repeat, self.group = known_only, no_repeat, group
+        words = [lex.source_words(s) for s in sources]
+        most, longest = max([1, *map(len, words)]), max([1] + [len(p) for ws in words for p, _ in ws])
+        pieces = np.full((len(sources), most, longest), -1, dtype=np.int64)
+        lengths = np.zeros((len(sources), most), dtype=np.int64)
+        hashes = np.full((len(sources), most), -1, dtype=np.int64)
+        for b, ws in enumerate(words):
+            for w, (ids, text) in enumerate(ws):
+                pieces[b, w, :len(ids)], lengths[b, w], hashes[b, w] = ids, len(ids), _combined(*text_hash(text))
+        dev = lex.starts.device
+        # (B, W, L) each sentence's words' pieces (-1 after a word's end), (B, W) their lengths and text hashes
+        self.src_pieces, self.src_len, self.src_hash = (torch.from_numpy(a).to(dev) for a in (pieces, lengths, hashes))
+        rows = len(sources) * group
+        self.pieces = torch.full((rows, 4), -1, dtype=torch.long, device=dev)  # (R, .) the word being spelled
+        self.length = torch.zeros(rows, dtype=torch.long, device=dev)  # (R,) its pieces; 0 = nothing begun
+        self.node = torch.zeros(rows, dtype=torch.long, device=dev)  # (R,) its known-tree node, -1 off the tree
+        self.h1, self.h2 = (torch.zeros(rows, dtype=torch.long, device=dev) for _ in range(2))  # its text hash
+        self.finished = torch.full((rows, 4), -1, dtype=torch.long, device=dev)  # (R, .) finished words' hashes
+        self.used = torch.full((rows, 4), -1, dtype=torch.long, device=dev)  # (R, .) and known-tree nodes
+        self.n_finished = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.n_used = torch.zeros(rows, dtype=torch.long, device=dev)
+        self._ends = None  # may_end of the current rows, computed once per state
 
-    def _used_below(self, used: tuple, node: int) -> dict[int, int]:
-        """Tree node -> how many `used` words lie at or under it, for the nodes under `node` (whose subtree
-        holds the words the row may still spell)."""
-        below: dict[int, int] = {}
-        for u in used:
-            if self.lexicon.top[u] != self.lexicon.top[node]:
-                continue  # another first piece: never under `node`
-            while u > 0:
-                below[u] = below.get(u, 0) + 1
-                u = self.lexicon.parent[u]
-        return below
+    # -- what the rows' words are -----------------------------------------------------------------------
+    def _source_view(self):
+        """(pieces, lengths, hashes) of each row's source words, and which of them the row's word is a prefix of."""
+        sentence = torch.arange(len(self.length), device=self.length.device) // self.group
+        pieces, lengths, hashes = self.src_pieces[sentence], self.src_len[sentence], self.src_hash[sentence]
+        mine = _widen(self.pieces, pieces.shape[2])[:, None, :pieces.shape[2]]
+        inside = torch.arange(pieces.shape[2], device=pieces.device) < self.length[:, None]  # (R, L)
+        match = ((pieces == mine) | ~inside[:, None, :]).all(dim=2) & (self.length[:, None] <= lengths) \
+            & (lengths > 0)  # (R, W)
+        return pieces, lengths, hashes, match
 
-    def _fresh(self, words: set, used: frozenset) -> bool:
-        """Does one of `words` remain unused?"""
-        return not words <= used if self.no_repeat else bool(words)
+    def _finished_has(self, hashes: Tensor) -> Tensor:
+        """(R, ...) hashes -> whether each is among its row's finished words."""
+        shape = hashes.shape
+        flat = hashes.reshape(shape[0], -1)
+        return (flat[:, :, None] == self.finished[:, None, :]).any(dim=2).reshape(shape)
 
-    def may_end(self, row: int, spelling: Spelling) -> bool:
-        """May the word this row is spelling end here (be followed by a word start or EOS)?"""
-        if not spelling.pieces:
-            return True  # nothing begun
-        if self.no_repeat and spelling.text in spelling.words:
-            return False  # finishing it would repeat a word
-        if not self.known_only:
-            return True
-        lex, source = self.lexicon, self.sources[row // self.group]
-        return (spelling.node >= 0 and lex.complete[spelling.node]) or EOS in source.get(spelling.pieces, {})
+    def _may_end(self, source=None) -> Tensor:
+        """(R,) may the word each row is spelling end here (be followed by a word start or EOS)?"""
+        if self._ends is not None:
+            return self._ends
+        begun = self.length > 0
+        ok = torch.ones_like(begun)
+        if self.no_repeat:
+            ok &= ~self._finished_has(_combined(self.h1, self.h2)[:, None])[:, 0]
+        if self.known_only:
+            _, lengths, _, match = source or self._source_view()
+            known = (self.node >= 0) & self.lex.complete[self.node.clamp(min=0)]
+            ok &= known | (match & (lengths == self.length[:, None])).any(dim=1)
+        self._ends = ~begun | ok
+        return self._ends
 
-    def _continuing(self, row: int, spelling: Spelling) -> list:
-        """Pieces (lists or arrays of them) that continue the word towards a known or a source word not used yet."""
-        lex, source = self.lexicon, self.sources[row // self.group]
-        allowed: list = [[p for p, words in source.get(spelling.pieces, {}).items()
-                          if p != EOS and self._fresh(words, spelling.words)]]
-        if spelling.node >= 0:
-            below = self._used_below(spelling.used, spelling.node) if self.no_repeat and spelling.used else {}
-            if spelling.node in below:
-                allowed.append([p for p, c in lex.children[spelling.node].items()
-                                if lex.words_below[c] > below.get(c, 0)])
-            else:
-                allowed.append(lex.child_pieces(spelling.node))
-        return allowed
+    def finish(self, row: int, hyp: list[int]) -> list[int]:
+        """Row `row` ends with `hyp`: without the word it is spelling if that word may not end (only
+        `max_len` cuts a word short)."""
+        return hyp if bool(self._may_end()[row]) else hyp[:len(hyp) - int(self.length[row])]
 
-    def _starting(self, row: int, spelling: Spelling) -> tuple[list[int], list[int]]:
-        """(the source's word starts to allow, known word starts to take away) when the word ends here,
-        itself counted as used: a start stays only while an unused word begins with it."""
-        lex, source = self.lexicon, self.sources[row // self.group]
-        words, used = spelling.words, spelling.used
-        if spelling.pieces:
-            words = words | {spelling.text}
-            used = (*used, spelling.node) if spelling.node >= 0 and lex.complete[spelling.node] else used
-        key = (row // self.group, words)
-        if key not in self._starts_cache:
-            starts = source.get((), {})
-            self._starts_cache[key] = [p for p, ws in starts.items() if not ws <= words] if self.no_repeat \
-                else list(starts)
-        blocked = []
-        if self.no_repeat and used:
-            tops: dict[int, int] = {}
-            for u in used:
-                tops[lex.top[u]] = tops.get(lex.top[u], 0) + 1
-            blocked = [lex.piece_into[t] for t, n in tops.items() if lex.words_below[t] <= n]
-        return self._starts_cache[key], blocked
+    # -- the mask ------------------------------------------------------------------------------------------
+    def _over_used(self, used: Tensor, nodes: Tensor, rows: Tensor) -> Tensor:
+        """For tree `nodes` (one per entry, of row `rows`): are all the words at or under it among the
+        row's `used` words?"""
+        d = self.lex.depth[nodes]
+        u = used[rows]  # (E, U)
+        under = torch.where(u >= 0, self.lex.ancestors[u.clamp(min=0), d[:, None]], -1) == nodes[:, None]
+        return self.lex.words_below[nodes] <= under.sum(dim=1)
 
     def mask(self, log_probs: Tensor) -> Tensor:
         """Set -inf on every (row, piece) the rules forbid, in place; a row left with nothing may end (EOS)."""
+        lex = self.lex
+        source = self._source_view() if self.known_only else None
+        ends = self._may_end(source)
         if not self.known_only:  # only repeats are ruled out: a repeated word may not end
-            blocked = [r for r, s in enumerate(self.rows) if not self.may_end(r, s)]
-            if blocked:
-                ends = self.lexicon.any_start.to(log_probs.device).clone()
-                ends[EOS] = True
-                log_probs[blocked] = log_probs[blocked].masked_fill(ends, float("-inf"))
+            if not bool(ends.all()):
+                log_probs[~ends] = log_probs[~ends].masked_fill(lex.starts | (torch.arange(
+                    lex.vocab_size, device=ends.device) == EOS), float("-inf"))
             return log_probs
+        pieces, lengths, hashes, match = source
+        begun = self.length > 0
         allowed = torch.zeros_like(log_probs, dtype=torch.bool)
-        ending, stuck, off_rows, off_cols = [], [], [], []
-        rows, cols = [], []  # per row: its index, and its allowed pieces (lists or arrays)
-        for r, spelling in enumerate(self.rows):
-            parts = self._continuing(r, spelling) if spelling.pieces else []
-            if self.may_end(r, spelling):
-                ending.append(r)
-                starts, blocked = self._starting(r, spelling)
-                parts.append(starts)
-                off_rows += [r] * len(blocked)
-                off_cols += blocked
-            elif not any(len(part) for part in parts):
-                stuck.append(r)  # only at max_len can a row run out of words: it may end
-            for part in parts:
-                if len(part):
-                    rows.append(np.full(len(part), r, dtype=np.int64))
-                    cols.append(np.asarray(part, dtype=np.int64))
-        if ending:
-            ending = _index(ending, allowed.device)
-            allowed[ending] = self.lexicon.known_starts.to(allowed.device)
-            allowed[ending, EOS] = True
-        if off_rows:
-            allowed[_index(off_rows, allowed.device), _index(off_cols, allowed.device)] = False
-        if rows:
-            allowed[torch.from_numpy(np.concatenate(rows)).to(allowed.device),
-                    torch.from_numpy(np.concatenate(cols)).to(allowed.device)] = True
-        if stuck:
-            allowed[_index(stuck, allowed.device), EOS] = True
+        allowed[ends] = lex.known_starts
+        allowed[ends, EOS] = True
+        word_hash = _combined(self.h1, self.h2)
+        fresh = ~self._finished_has(hashes) if self.no_repeat else torch.ones_like(match)  # (R, W) source words
+        if self.no_repeat:  # a known start whose words are all used (this one included) is taken away
+            complete = begun & (self.node >= 0) & self.lex.complete[self.node.clamp(min=0)]
+            used = torch.cat([self.used, torch.where(complete, self.node, -1)[:, None]], dim=1)
+            rows, cols = (used > 0).nonzero(as_tuple=True)
+            tops = lex.ancestors[used[rows, cols], 1]
+            gone = ends[rows] & self._over_used(used, tops, rows)
+            allowed[rows[gone], lex.piece_into[tops[gone]]] = False
+            fresh_now = fresh & ~((hashes == word_hash[:, None]) & begun[:, None])
+        else:
+            fresh_now = fresh
+        # the known tree's pieces that continue each row's word towards a word not used up
+        going = (begun & (self.node >= 0)).nonzero().squeeze(1)
+        first = lex.first_edge[self.node[going]]
+        counts = lex.first_edge[self.node[going] + 1] - first
+        rows = going.repeat_interleave(counts)
+        edges = first.repeat_interleave(counts) + torch.arange(len(rows), device=rows.device) - \
+            (counts.cumsum(0) - counts).repeat_interleave(counts)
+        children = lex.edge_child[edges]
+        if self.no_repeat and len(rows):
+            keep = ~self._over_used(self.used, children, rows)
+            rows, children = rows[keep], children[keep]
+        allowed[rows, lex.piece_into[children]] = True
+        somewhere = ends.clone()  # rows with a piece allowed: every ending row (EOS), and those below
+        somewhere[rows] = True
+        # the source's pieces that continue a row's word towards an unused source word, and its word starts
+        at = self.length.clamp(max=pieces.shape[2] - 1)[:, None, None].expand(-1, pieces.shape[1], 1)
+        onward = match & (self.length[:, None] < lengths) & fresh & begun[:, None]
+        rows, cols = onward.nonzero(as_tuple=True)
+        allowed[rows, pieces.gather(2, at)[rows, cols, 0]] = True
+        somewhere[rows] = True
+        rows, cols = ((lengths > 0) & fresh_now & ends[:, None]).nonzero(as_tuple=True)
+        allowed[rows, pieces[rows, cols, 0]] = True
+        allowed[~somewhere, EOS] = True  # only at max_len can a row run out of words
         return log_probs.masked_fill_(allowed.logical_not_(), float("-inf"))
 
-    def advance(self, parents: list[int], tokens: list[int], group: int | None = None) -> None:
+    # -- moving on -------------------------------------------------------------------------------------------
+    def advance(self, parents, tokens, group: int | None = None) -> None:
         """Row i now continues row parents[i] with tokens[i]; `group` rows per sentence from now on if given."""
-        lex, rows, new, self.group = self.lexicon, self.rows, [], group or self.group
-        text, starts_word, children, complete, root = lex.text, lex.starts_word, lex.children, lex.complete, \
-            lex.children[0]
-        for parent, token in zip(parents, tokens, strict=True):
-            old = rows[parent]
-            if starts_word[token]:
-                words, used = old.words, old.used
-                if old.pieces:  # the previous word is finished
-                    words = words | {old.text}
-                    used = (*used, old.node) if old.node >= 0 and complete[old.node] else used
-                new.append(Spelling((token,), text[token], root.get(token, -1), words, used))
-            elif text[token]:  # a piece inside the word
-                node = children[old.node].get(token, -1) if old.node >= 0 else -1
-                new.append(Spelling((*old.pieces, token), old.text + text[token], node, old.words, old.used))
-            else:  # EOS, or a piece that writes nothing
-                new.append(old)
-        self.rows = new
+        lex, dev = self.lex, self.length.device
+        parents, tokens = torch.as_tensor(parents, device=dev), torch.as_tensor(tokens, device=dev)
+        self.group = group or self.group
+        pieces, length, node = self.pieces[parents], self.length[parents], self.node[parents]
+        h1, h2 = self.h1[parents], self.h2[parents]
+        finished, used = self.finished[parents], self.used[parents]
+        n_finished, n_used = self.n_finished[parents], self.n_used[parents]
+        start = lex.starts[tokens]
+        inside = lex.has_text[tokens] & ~start  # a piece inside the word
+        ending = (start & (length > 0)).nonzero().squeeze(1)  # rows whose word is finished by a new one
+        if len(ending):
+            finished = _widen(finished, int(n_finished.max()) + 1)
+            finished[ending, n_finished[ending]] = _combined(h1[ending], h2[ending])
+            n_finished = n_finished + (start & (length > 0))
+            known = ending[(node[ending] >= 0) & lex.complete[node[ending].clamp(min=0)]]
+            used = _widen(used, int(n_used.max()) + 1)
+            used[known, n_used[known]] = node[known]
+            n_used = n_used.index_add(0, known, torch.ones_like(known))
+        key = node * lex.vocab_size + tokens
+        at = torch.searchsorted(lex.edge_key, key).clamp(max=len(lex.edge_key) - 1)
+        child = torch.where((lex.edge_key[at] == key) & (node >= 0), lex.edge_child[at], -1)
+        self.node = torch.where(start, lex.root_child[tokens], torch.where(inside, child, node))
+        self.h1 = torch.where(start, lex.piece_h1[tokens], torch.where(
+            inside, (h1 * lex.piece_pow1[tokens] + lex.piece_h1[tokens]) % HASH_P1, h1))
+        self.h2 = torch.where(start, lex.piece_h2[tokens], torch.where(
+            inside, (h2 * lex.piece_pow2[tokens] + lex.piece_h2[tokens]) % HASH_P2, h2))
+        pieces = _widen(pieces, int(length.max()) + 1) if len(length) else pieces
+        pieces[start] = -1
+        self.length = torch.where(start, 1, length + inside)
+        where = torch.where(start, 0, length)
+        grow = start | inside
+        rows = grow.nonzero().squeeze(1)
+        pieces[rows, where[rows]] = tokens[rows]
+        self.pieces, self.finished, self.used = pieces, finished, used
+        self.n_finished, self.n_used = n_finished, n_used
+        self._ends = None
 
-    def select(self, rows: list[int], sentences: list[int]) -> None:
+    def select(self, rows, sentences) -> None:
         """Keep only `rows` (and their `sentences`), when finished sentences leave the batch."""
-        self.rows = [self.rows[r] for r in rows]
-        self.sources = [self.sources[s] for s in sentences]
-        self._starts_cache.clear()  # keyed by sentence position
+        dev = self.length.device
+        rows, sentences = torch.as_tensor(rows, device=dev), torch.as_tensor(sentences, device=dev)
+        for name in ("pieces", "length", "node", "h1", "h2", "finished", "used", "n_finished", "n_used"):
+            setattr(self, name, getattr(self, name)[rows])
+        self.src_pieces, self.src_len, self.src_hash = (t[sentences] for t in (self.src_pieces, self.src_len,
+                                                                                 self.src_hash))
+        self._ends = None

@@ -54,7 +54,7 @@ class Rules:
         self.words = None
         if lexicon is not None and (settings.known_words or settings.no_repeat_words):
             self.words = WordRules(lexicon, [row[row != PAD].tolist() for row in src_ids.cpu()], group,
-                                   settings.known_words, settings.no_repeat_words)
+                                   settings.known_words, settings.no_repeat_words, src_ids.device)
 
     def apply(self, log_probs: Tensor, step: int, prefixes: Tensor) -> Tensor:
         """(R, V) scores of the next token (the step's own tensor), every forbidden token set to -inf in place."""
@@ -78,20 +78,19 @@ class Rules:
         if self.lexicon is not None:
             self.bytes += self.lexicon.piece_bytes.to(tokens.device)[tokens]
         if self.words is not None:
-            self.words.advance(parents.tolist(), tokens.tolist(), group)
+            self.words.advance(parents, tokens, group)
 
     def finish(self, row: int, hyp: list[int]) -> list[int]:
         """Row `row` ends with `hyp`: without the word it is spelling if that word may not end (only
         `max_len` cuts a word short)."""
         if self.words is None:
             return hyp
-        spelling = self.words.rows[row]
-        return hyp if self.words.may_end(row, spelling) else hyp[:len(hyp) - len(spelling.pieces)]
+        return self.words.finish(row, hyp)
 
     def select(self, rows: Tensor, sentences: Tensor) -> None:
         self.bytes, self.min_len = self.bytes[rows], self.min_len[rows]
         if self.words is not None:
-            self.words.select(rows.tolist(), sentences.tolist())
+            self.words.select(rows, sentences)
 
 
 def _step(model, prefixes: Tensor, memory: Tensor, src_ids: Tensor, state, group: int) -> Tensor:

@@ -9,6 +9,7 @@ from summarizer.constraints import Lexicon
 from summarizer.decoding import _block_repeats, beam_search, greedy
 from summarizer.model import Seq2Seq
 from summarizer.prepared import open_tokenizer, training_words
+from summarizer.tokenizer import EOS, UNK
 
 PLAIN = EvalConfig(max_len=12, known_words=False, no_repeat_words=False, no_repeat_ngram=0)
 
@@ -221,3 +222,79 @@ def test_minimum_length_never_exceeds_the_source():
     for step, ends in ((2, [False] * 4), (3, [True, True, False, False]), (8, [True] * 4)):
         allowed = rules.apply(torch.zeros(4, 16), step, torch.full((4, step), 5)) > float("-inf")
         assert allowed[:, 3].tolist() == ends, step  # 3: EOS
+
+
+def _allowed_by_definition(lex, known_pieces: set, source: list, hyp: list[int]) -> set[int]:
+    """The word rules (known words only, no repeats) read off their definition, for one hypothesis: what may
+    come next after `hyp`, given the known words' piece sequences and the source's (pieces, text) words."""
+    words, current = [], []
+    for piece in hyp:
+        if lex.starts_word[piece]:
+            words, current = words + [current] if current else words, [piece]
+        elif lex.text[piece]:
+            current = current + [piece]
+    text = lambda ps: "".join(lex.text[p] for p in ps)  # noqa: E731
+    finished_texts, used = {text(w) for w in words}, {tuple(w) for w in words}
+    cur = tuple(current)
+    source_seqs = [(tuple(p), t) for p, t in source]
+    allowed = set()
+    if cur:
+        allowed |= {k[len(cur)] for k in known_pieces if len(k) > len(cur) and k[:len(cur)] == cur and k not in used}
+        allowed |= {p[len(cur)] for p, t in source_seqs if len(p) > len(cur) and p[:len(cur)] == cur
+                    and t not in finished_texts}
+    complete = cur in known_pieces or any(p == cur for p, _ in source_seqs)
+    if not cur or (text(cur) not in finished_texts and complete):
+        used_now = used | ({cur} if cur in known_pieces else set())
+        texts_now = finished_texts | ({text(cur)} if cur else set())
+        allowed |= {EOS} | {k[0] for k in known_pieces if k not in used_now}
+        allowed |= {p[0] for p, t in source_seqs if t not in texts_now}
+    return allowed or {EOS}
+
+
+def _written(lex, hyp: list[int]) -> list[tuple[list[int], list[int]]]:
+    """(a finished word's pieces, the word being spelled) for each finished word it is a proper prefix of."""
+    words, current = [], []
+    for piece in hyp:
+        if lex.starts_word[piece]:
+            words, current = words + [current] if current else words, [piece]
+        elif lex.text[piece]:
+            current = current + [piece]
+    return [(w, current) for w in words if len(w) > len(current) and w[:len(current)] == current] + \
+        [(w, []) for w in words + [current] if w]  # or begin it again
+
+
+def test_word_rules_allow_exactly_what_their_definition_allows(lexicon_and_model, tiny_prepared):
+    """Random beams (random parents, random allowed pieces, sentences leaving) against the rules read off
+    their definition at every step."""
+    from summarizer.constraints import WordRules
+    from summarizer.prepared import read_pairs
+    tokenizer, known, lex, *_ = lexicon_and_model
+    known_pieces = {tuple(ids) for ids in tokenizer.encode_batch(sorted(known))
+                    if ids and lex.starts_word[ids[0]] and all(lex.text[i] for i in ids[1:]) and UNK not in ids}
+    pairs = read_pairs(tiny_prepared, "train")
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(8):
+        sources = [tokenizer.encode(pairs[(trial * 7 + i) % len(pairs)]["source"]) for i in range(3)]
+        group = 1 + trial % 3
+        rules = WordRules(lex, sources, group=group, known_only=True, no_repeat=True)
+        alive, hyps = list(range(3)), [[] for _ in range(3 * group)]
+        for _ in range(16):
+            allowed = rules.mask(torch.zeros(len(hyps), lex.vocab_size)) > float("-inf")
+            for r, hyp in enumerate(hyps):
+                words = [lex.source_words(sources[alive[r // group]])][0]
+                assert set(allowed[r].nonzero().flatten().tolist()) == _allowed_by_definition(
+                    lex, known_pieces, words, hyp), (trial, r, hyp)
+            parents = [r // group * group + int(torch.randint(group, (1,), generator=gen)) for r in range(len(hyps))]
+            tokens = []
+            for p in parents:
+                choices = allowed[p].nonzero().flatten().tolist()
+                # mostly re-spell a word the row has written: where the no-repeat rules bite
+                replay = [w[len(cur)] for w, cur in _written(lex, hyps[p]) if w[len(cur)] in choices]
+                pick = replay if replay and torch.rand(1, generator=gen) < 0.7 else choices
+                tokens.append(pick[int(torch.randint(len(pick), (1,), generator=gen))])
+            rules.advance(parents, tokens)
+            hyps = [hyps[p] + ([t] if t != EOS else []) for p, t in zip(parents, tokens, strict=True)]
+            if len(alive) > 1 and _ % 5 == 4:  # the first sentence leaves the batch
+                keep = list(range(group, len(hyps)))
+                rules.select(keep, list(range(1, len(alive))))
+                alive, hyps = alive[1:], hyps[group:]
