@@ -159,7 +159,7 @@ class EvalConfig:
     checkpoint: str = key("", bookkeeping=True)  # default: the run's best
     out_dir: str = key("", bookkeeping=True)  # default: the run dir
     beam_size: int = key(4, above=0)
-    batch_tokens: int = key(4096, above=0)  # source tokens per decoding batch (sentences sorted by length, padded)
+    batch_tokens: int = key(16384, above=0)  # padded source tokens x beam_size per decoding batch (the decoder's rows)
     threads: int = key(0, low=0)  # batches decoded at once, one core each; 0 = one per core on CPU, 1 on GPU
     precision: str = key("auto", choices=PRECISIONS)  # decoding: auto = bf16 where fast, else fp32 on CPU
     quantize: str = key("auto", choices=("auto", "none", "int8"))  # auto: int8 where decoding runs on CPU in fp32

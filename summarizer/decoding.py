@@ -228,19 +228,20 @@ def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt
     """Source id sequences -> hypothesis id lists, in input order, decoded as `settings` (the eval section) says.
 
     Sources are sorted by length and cut into batches of `settings.batch_tokens` padded source tokens,
-    decoded with dropout off and under inference_mode (so no RNG stream is drawn from), and put back in input
-    order. On CPU, `decode_threads` batches decode at once, each on one core (CTranslate2's inter_threads):
-    at decoding's few rows per matmul one core per batch beats two cores on one batch, and the outputs
-    are the same. The word rules and the byte minimum (`settings.known_words`, `no_repeat_words`,
-    `truncate_bytes`) need the run's `lexicon`. `desc` names a progress bar, shown only when stderr is
-    a terminal. `use_cache=False` recomputes every prefix from scratch (the reference the KV cache is
+    counted once per beam, decoded with dropout off and under inference_mode (so no RNG stream is drawn
+    from), and put back in input order. On CPU, `decode_threads` batches decode at once, each on one core
+    (CTranslate2's inter_threads): at decoding's few rows per matmul one core per batch beats two cores on
+    one batch, and the outputs are the same. The word rules and the byte minimum (`settings.known_words`,
+    `no_repeat_words`, `truncate_bytes`) need the run's `lexicon`. `desc` names a progress bar, shown only
+    when stderr is a terminal. `use_cache=False` recomputes every prefix from scratch (the reference the KV cache is
     tested and benched against).
     """
     if lexicon is None and (settings.known_words or settings.no_repeat_words or settings.truncate_bytes):
         raise ValueError("eval.known_words, no_repeat_words and truncate_bytes need the run's lexicon")
     model = runtime.unwrap(model)
     hyps: list = [None] * len(sources)
-    batches = length_batches([len(s) for s in sources], settings.batch_tokens)
+    # Each sentence is beam_size rows of the decoder: the budget counts its source tokens once per row.
+    batches = length_batches([len(s) for s in sources], max(1, settings.batch_tokens // settings.beam_size))
 
     def decode(idx: list[int]) -> tuple[list[int], list[list[int]]]:
         src = runtime.move(pad_sources([sources[i] for i in idx]), rt.device)
