@@ -63,6 +63,8 @@ class DataConfig:
     valid_holdout: int = key(500, low=0, resume=True)
     rebuild: bool = key(False, resume=True, bookkeeping=True)  # prep: replace a prepared dir whose inputs changed
     train_limit: int = key(0, low=0)  # >0: train on only the first N prepared train pairs (overfit checks)
+    # source tag -> how many times an epoch its train pairs are drawn, on average (1 = once; 0.5 = half of them)
+    source_weights: dict = key({})
     lowercase: bool = True  # applied at prep and at `summarize`
     mask_digits: bool = True  # every digit -> '#', as Gigaword's preprocessing did
     # a tag name: each pair's source tag (data.source entries' `tag`) is one piece before its source; text with

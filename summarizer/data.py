@@ -136,8 +136,9 @@ class TokenBatchSampler(Sampler[list[int]]):
 
     def __init__(self, src_lens: np.ndarray, tgt_lens: np.ndarray, batch_tokens: int, bucket_size: int = 100,
                  shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1, even: bool = True,
-                 pad_multiple: int = 1):
+                 pad_multiple: int = 1, weights: np.ndarray | None = None):
         self.src_lens, self.tgt_lens, self.pad_multiple = src_lens, tgt_lens, pad_multiple
+        self.weights = weights  # per pair: drawn this many times an epoch on average (data.source_weights)
         self.batch_tokens, self.bucket_size, self.shuffle, self.seed = batch_tokens, bucket_size, shuffle, seed
         self.rank, self.world_size, self.even = rank, world_size, even
         self.epoch, self.start = 0, 0
@@ -158,7 +159,11 @@ class TokenBatchSampler(Sampler[list[int]]):
         by_length = lambda idx: idx[np.lexsort((self.src_lens[idx], self.tgt_lens[idx]))]  # noqa: E731
         if self.shuffle:
             rng = np.random.default_rng([self.seed, epoch])
-            perm = rng.permutation(len(self.src_lens))
+            if self.weights is None:
+                perm = rng.permutation(len(self.src_lens))
+            else:
+                pairs = self.weighted_pairs(epoch)
+                perm = pairs[rng.permutation(pairs.size)]
             mean_len = max(float((self.src_lens + self.tgt_lens).mean()), 1.0)
             pool = max(1, int(self.bucket_size * self.batch_tokens / mean_len))
             order = np.concatenate([by_length(chunk) for chunk in np.array_split(perm, max(1, len(perm) // pool))])
@@ -173,6 +178,13 @@ class TokenBatchSampler(Sampler[list[int]]):
         mine = batches[self.rank:usable:self.world_size]
         self._plan = (epoch, mine)
         return mine
+
+    def weighted_pairs(self, epoch: int) -> np.ndarray:
+        """The pairs of `epoch` under `weights`: pair i whole floor(w_i) times, and once more with probability
+        w_i - floor(w_i) (seeded by seed and epoch), so a source weighted 2 is seen twice an epoch, 0.5 half."""
+        whole = np.floor(self.weights)
+        extra = np.random.default_rng([self.seed, epoch, 1]).random(len(self.weights)) < self.weights - whole
+        return np.repeat(np.arange(len(self.weights)), whole.astype(np.int64) + extra)
 
     def __iter__(self):
         for batch in self.plan(self.epoch)[self.start:]:

@@ -141,3 +141,26 @@ def open_tokenizer(data_dir: str | Path) -> Tokenizer:
         raise DataError(f"{data_dir / meta['spm_model']} does not match the sha256 in meta.json "
                         f"(the model was replaced after prep): delete {data_dir} and {_PREP_HINT}")
     return tokenizer
+
+
+def source_weights(cfg: DataConfig, meta: dict, count: int) -> np.ndarray | None:
+    """Per train pair (the first `count`), how many times an epoch it is drawn on average: data.source_weights'
+    value for its source tag, 1 for a tag it does not name; None when it names none."""
+    if not cfg.source_weights:
+        return None
+    tags = meta["splits"]["train"].get("pairs_by_tag", {})
+    unknown = sorted(set(cfg.source_weights) - set(tags))
+    if unknown:
+        named = ", ".join(t for t in sorted(tags) if t != "(untagged)") or "none"
+        raise ConfigError(f"data.source_weights names {', '.join(map(str, unknown))}, not a source tag of the train "
+                          f"split in {cfg.dir} (tags: {named}); tag a data.source entry (`tag: NAME`) and prepare "
+                          f"again, or drop the name")
+    bad = {k: v for k, v in cfg.source_weights.items()
+           if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0}
+    if bad:
+        raise ConfigError(f"data.source_weights must map tags to finite numbers >= 0, got {bad}")
+    weights = np.array([float(cfg.source_weights.get(p.get("tag", ""), 1.0))
+                        for p in read_pairs(cfg.dir, "train")[:count]])
+    if not weights.any():
+        raise ConfigError("data.source_weights weights every train pair 0: nothing would be drawn")
+    return weights

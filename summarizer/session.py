@@ -19,7 +19,7 @@ from summarizer.monitor import Monitor, read_manifest, write_manifest
 from summarizer.optim import build_optimizer, build_scheduler
 from summarizer.outputs import claim_dir, claim_events_dir, hold_lock
 from summarizer.placement import place_model
-from summarizer.prepared import check_data_settings, open_tokenizer, read_meta, valid_split
+from summarizer.prepared import check_data_settings, open_tokenizer, read_meta, source_weights, valid_split
 from summarizer.resume import check_resume
 from summarizer.runtime import Runtime
 from summarizer.subwords import SegmentationSampler
@@ -168,7 +168,8 @@ def open_session(cfg: Config) -> Session:
     train_ds = PairDataset.from_dir(cfg.data.dir, "train", cfg.data, limit=cfg.data.train_limit, sampler=resample)
     sampler = TokenBatchSampler(train_ds.src_lens, train_ds.tgt_lens, cfg.data.batch_tokens, cfg.data.bucket_size,
                                 shuffle=True, seed=cfg.train.seed, rank=rt.rank, world_size=rt.world_size,
-                                pad_multiple=cfg.data.pad_multiple)
+                                pad_multiple=cfg.data.pad_multiple,
+                                weights=source_weights(cfg.data, meta, len(train_ds)))
     manifest = read_manifest(cfg.run_dir)
     skip, rollbacks = spikes.skipped(manifest, cfg.train), manifest.get("spike_rollbacks", [])
     train_loader = make_loader(train_ds, sampler, cfg.data, rt.device, cfg.train.seed)

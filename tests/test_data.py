@@ -91,3 +91,48 @@ def test_pad_multiple_rounds_shapes_and_keeps_the_budget():
         s, t = batch["src_ids"].shape[1], batch["tgt_in"].shape[1]
         assert s % 8 == 0 and t % 8 == 0 and len(b) * (s + t) <= 400
         assert batch["n_tgt"] == int(ds.tgt_lens[b].sum())  # real tokens only
+
+
+def test_source_weights_draw_each_pair_its_weight_an_epoch_on_average_and_replay_exactly():
+    ds = make_dataset(n=400)
+    weights = np.where(np.arange(400) < 100, 2.0, np.where(np.arange(400) < 200, 0.5, 1.0))  # up, down, as is
+    sampler = TokenBatchSampler(ds.src_lens, ds.tgt_lens, 300, seed=4, weights=weights)
+    counts = np.zeros(400)
+    for epoch in range(20):
+        sampler.set_epoch(epoch)
+        counts += np.bincount([i for b in sampler for i in b], minlength=400)
+    assert (counts[:100] == 40).all() and (counts[200:] == 20).all()  # whole parts: exactly, every epoch
+    assert abs(counts[100:200].mean() - 10) < 1.0 and 0 < counts[100:200].min() < counts[100:200].max() < 20
+    again = TokenBatchSampler(ds.src_lens, ds.tgt_lens, 300, seed=4, weights=weights)
+    again.set_epoch(7)
+    sampler.set_epoch(7)
+    full = list(sampler)
+    again.set_epoch(7, start=3)
+    assert list(again) == full[3:]  # a pure function of (seed, epoch): resume replays it
+    plain = TokenBatchSampler(ds.src_lens, ds.tgt_lens, 300, seed=4)
+    assert list(plain) == list(TokenBatchSampler(ds.src_lens, ds.tgt_lens, 300, seed=4, weights=None))
+
+
+def test_source_weights_must_name_prepared_tags_with_usable_values(monkeypatch):
+    import pytest
+
+    from summarizer import prepared
+    from summarizer.config import DataConfig
+    from summarizer.errors import ConfigError
+    pairs = [{"source": "a", "target": "b", **t} for t in ({"tag": "wire"}, {}, {"tag": "news"})]
+    monkeypatch.setattr(prepared, "read_pairs", lambda data_dir, split: pairs)
+    meta = {"splits": {"train": {"pairs_by_tag": {"wire": 1, "news": 1, "(untagged)": 1}}}}
+    cfg = DataConfig()
+    assert prepared.source_weights(cfg, meta, 3) is None
+    cfg.source_weights = {"wire": 3, "news": 0.5}
+    assert prepared.source_weights(cfg, meta, 3).tolist() == [3.0, 1.0, 0.5]
+    assert prepared.source_weights(cfg, meta, 2).tolist() == [3.0, 1.0]  # data.train_limit
+    for weights, message in (({"sport": 2}, r"names sport, not a source tag .*\(tags: news, wire\)"),
+                             ({"wire": -1}, "finite numbers >= 0"), ({"wire": "x"}, "finite numbers >= 0"),
+                             ({"wire": float("nan")}, "finite numbers >= 0")):
+        cfg.source_weights = weights
+        with pytest.raises(ConfigError, match=message):
+            prepared.source_weights(cfg, meta, 3)
+    cfg.source_weights = {"wire": 0, "news": 0}
+    with pytest.raises(ConfigError, match="every train pair 0"):
+        prepared.source_weights(cfg, meta, 1)  # the first pair alone: wire, weighted 0
