@@ -4,6 +4,7 @@ process, on a trained checkpoint and real test sources, with the ROUGE of what e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import statistics
 import time
@@ -158,3 +159,22 @@ def profile_row(cfg: Config, beam: int = 4, top: int = 12) -> dict:
             "ops_share": in_ops / wall, "top_ops": [
                 {"op": e.key, "calls": e.count, "self_s": e.self_cpu_time_total / 1e6,
                  "share": e.self_cpu_time_total / 1e6 / wall} for e in events[:top]]}
+
+
+def file_row(cfg: Config) -> dict:
+    """Decoding as other toolkits time it: a file of raw text (`eval.pairs`, else the prepared test split) with
+    the default eval, greedy and beam 4 taking turns, and start-up (the checkpoint, its int8 or bf16 form, the
+    word rules' lexicon, reading and tokenizing the file) timed apart from decoding."""
+    from summarizer.evaluate import load_model, read_eval_pairs
+    lexicon.cache_clear()  # built from scratch, as a fresh process would
+    started = time.perf_counter()
+    rt = runtime.setup(cfg, decoding_precision(cfg))
+    meta, tokenizer = read_meta(cfg.data.dir), open_tokenizer(cfg.data.dir)
+    name, _, ids = read_eval_pairs(cfg, meta, tokenizer)
+    model, _ = load_model(weights(cfg), rt, meta, cfg.eval.quantize)
+    lex = lexicon(cfg.data.dir)
+    startup = time.perf_counter() - started
+    settings = {f"beam {beam}": dataclasses.replace(cfg.eval, beam_size=beam) for beam in (1, 4)}
+    searches = {k: functools.partial(decode_all, model, ids, s, rt, lexicon=lex) for k, s in settings.items()}
+    rates, _ = alternate(searches, cfg, len(ids))
+    return {"file": name, "sentences": len(ids), "startup_s": startup, "rates": rates}

@@ -14,7 +14,7 @@ import torch
 
 from summarizer import runtime
 from summarizer.bench import memory as bench_memory
-from summarizer.bench.decoding import decode_row, profile_row, summarize_row, weights
+from summarizer.bench.decoding import decode_row, file_row, profile_row, summarize_row, weights
 from summarizer.config import Config, from_dict, to_dict
 from summarizer.data import PairDataset, TokenBatchSampler, make_loader, padding_fraction
 from summarizer.decoding import decode_all
@@ -271,6 +271,9 @@ NOT_HERE = {"precision_bf16": "no fast bf16 on this device", "decode_bf16": "no 
             "memory_precision": "no 16-bit mode worth measuring on this device"}
 
 
+AFTER_ROWS = ("decode_file", "decode_profile")  # rows that are not an on/off pair
+
+
 def _fmt(s: dict) -> str:
     return f"{s['median']:.0f} [{s['min']:.0f}-{s['max']:.0f}]" if s["median"] >= 10 else \
         f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
@@ -281,14 +284,14 @@ def run_bench(cfg: Config) -> list[dict]:
     claim_dir(cfg.run_dir, "run", "run.dir", legacy=("bench.json",))
     table = rows(cfg)
     wanted = cfg.bench.rows or list(table) + [n for n in NOT_HERE if n not in table]
-    unknown = [n for n in wanted if n not in table and n not in NOT_HERE and n != "decode_profile"]
+    unknown = [n for n in wanted if n not in table and n not in NOT_HERE and n not in AFTER_ROWS]
     if unknown:
         from summarizer.errors import ConfigError
         raise ConfigError(f"unknown bench rows {unknown}; choose from {sorted(set(table) | set(NOT_HERE))}")
     results = []
     for name in wanted:
-        if name == "decode_profile":
-            continue  # not an on/off pair: measured after the rows
+        if name in AFTER_ROWS:
+            continue  # not on/off pairs: measured after the rows
         if name not in table:
             results.append({"practice": name, "skipped": NOT_HERE[name]})
             continue
@@ -306,6 +309,10 @@ def run_bench(cfg: Config) -> list[dict]:
                         **({"padding_on": values["on"]["padding"], "padding_off": values["off"]["padding"]}
                            if "padding" in values["on"] and name == "bucketing" else {}),
                         **{k: v for k, v in values.items() if k not in ("on", "off")}})
+    if weights(cfg).is_file() and ("decode_file" in wanted or not cfg.bench.rows):
+        print("bench: decode_file (a file of raw text decoded with the default eval, start-up apart) ...",
+              file=sys.stderr, flush=True)
+        results.append({"practice": "decode_file", **file_row(cfg)})
     if "decode_profile" in wanted or not cfg.bench.rows:
         print("bench: decode_profile (where a beam-4 default-eval decode spends its time) ...", file=sys.stderr,
               flush=True)
@@ -333,6 +340,10 @@ def markdown(results: list[dict]) -> str:
             lines.append(f"| {r['practice']} | not measured: {r['skipped']} | | | | |")
         elif "error" in r:
             lines.append(f"| {r['practice']} | {r['compared']} | failed: {r['error']} | | | |")
+        elif r["practice"] == "decode_file":
+            rates = "; ".join(f"{k} {_fmt(v)} sentences/s" for k, v in r["rates"].items())
+            lines.append(f"| decode_file | {r['file']} ({r['sentences']} sentences), default eval: start-up "
+                         f"(checkpoint, lexicon, reading, tokenizing) {r['startup_s']:.1f} s, then {rates} | | | | |")
         elif r["practice"] == "decode_profile":
             ops = ", ".join(f"{o['op']} {o['share']:.0%} ({o['calls']} calls)" for o in r["top_ops"][:6])
             lines.append(f"| decode_profile | beam-{r['beam']} default eval of {r['sentences']} sentences, one thread, "

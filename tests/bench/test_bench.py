@@ -104,3 +104,23 @@ def test_decode_profile_row_splits_the_wall_time_into_operators_and_the_rest(cfg
     shares = [o["share"] for o in row["top_ops"]]
     assert shares == sorted(shares, reverse=True)
     assert "| decode_profile | beam-4 default eval of 4 sentences" in (cfg.run_dir / "bench.md").read_text()
+
+
+def test_decode_file_row_times_start_up_apart_from_both_searches(trained_run, tmp_path):
+    import gzip
+
+    tmp, _ = trained_run
+    pairs = tmp_path / "pairs.jsonl.gz"
+    with gzip.open(pairs, "wt") as f:
+        for text in ("The mayor opened a new park on Sunday .", "Oil prices rose sharply on Monday ."):
+            f.write(json.dumps({"source": text, "target": "a headline"}) + "\n")
+    cfg = load_config("configs/tiny.yaml", [f"data.dir={tmp / 'data'}", f"run.dir={tmp_path / 'bench'}",
+                                            f"run.tensorboard_dir={tmp_path / 'tb'}", f"eval.pairs={pairs}",
+                                            f"bench.checkpoint={tmp / 'run' / 'best.pt'}", "bench.repeats=2",
+                                            "bench.warmup=0", "bench.rows=[decode_file]",
+                                            "bench.find_batch_tokens=false"])
+    [row] = run_bench(cfg)
+    assert row["practice"] == "decode_file" and row["file"] == "pairs.jsonl.gz" and row["sentences"] == 2
+    assert row["startup_s"] > 0 and set(row["rates"]) == {"beam 1", "beam 4"}
+    assert all(r["n"] == 2 and r["median"] > 0 for r in row["rates"].values())
+    assert "| decode_file | pairs.jsonl.gz (2 sentences), default eval: start-up" in (cfg.run_dir / "bench.md").read_text()
