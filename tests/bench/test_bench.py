@@ -123,4 +123,5 @@ def test_decode_file_row_times_start_up_apart_from_both_searches(trained_run, tm
     assert row["practice"] == "decode_file" and row["file"] == "pairs.jsonl.gz" and row["sentences"] == 2
     assert row["startup_s"] > 0 and set(row["rates"]) == {"beam 1", "beam 4"}
     assert all(r["n"] == 2 and r["median"] > 0 for r in row["rates"].values())
-    assert "| decode_file | pairs.jsonl.gz (2 sentences), default eval: start-up" in (cfg.run_dir / "bench.md").read_text()
+    table = (cfg.run_dir / "bench.md").read_text()
+    assert "| decode_file | pairs.jsonl.gz (2 sentences), default eval: start-up" in table
