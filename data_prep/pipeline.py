@@ -88,7 +88,7 @@ def source_tags(splits: dict, source_tag: str) -> list[str]:
     tags = sorted({t for ds in splits.values() for t in ds.unique("tag")} - {""})
     if source_tag not in tags:
         raise DataError(f"data.source_tag={source_tag!r} is not the tag of any data.source entry (tags: "
-                        f"{', '.join(tags) or 'none'}): give one entry `tag: {source_tag}`, or set data.source_tag='' ")
+                        f"{', '.join(tags) or 'none'}): give one entry `tag: {source_tag}`, or set data.source_tag=''")
     return tags
 
 

@@ -47,8 +47,8 @@ def _combined(h1, h2):
 class Lexicon:
     """What the rules need from a tokenizer and a vocabulary of known words: each piece's text, whether it
     starts a word and its UTF-8 length, and a prefix tree over the pieces of every known word (node 0 is the
-    root), stored as tensors: edges sorted by parent * V + piece, each node's depth, ancestors, text hash,
-    whether a word ends there and how many words lie at or under it (`words_below`)."""
+    root), stored as tensors: edges sorted by parent * V + piece, each node's depth and ancestors, whether a
+    word ends there and how many words lie at or under it (`words_below`)."""
 
     def __init__(self, tokenizer: Tokenizer, known_words: Iterable[str]):
         pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
@@ -70,7 +70,7 @@ class Lexicon:
                                             for p in (HASH_P1, HASH_P2))
         self.starts = torch.tensor(self.starts_word)  # (V,) pieces that start a word
         self.has_text = torch.tensor([bool(t) for t in self.text])  # (V,) pieces that write characters
-        parent, piece_into, complete, texts = [-1], [-1], [False], [""]
+        parent, piece_into, complete = [-1], [-1], [False]
         edges: dict[tuple[int, int], int] = {}
         for ids in tokenizer.encode_batch(sorted(set(known_words))):
             if not ids or not self.starts_word[ids[0]] or UNK in ids or any(not self.text[i] for i in ids[1:]):
@@ -82,7 +82,6 @@ class Lexicon:
                     parent.append(node)
                     piece_into.append(i)
                     complete.append(False)
-                    texts.append(texts[node] + self.text[i])
                 node = edges[node, i]
             complete[node] = True
         n = len(parent)
@@ -112,6 +111,10 @@ class Lexicon:
         self.root_child[self.edge_key[roots]] = self.edge_child[roots]
         self.known_starts = self.root_child >= 0  # (V,) first pieces of known words
         self._on: dict[torch.device, Lexicon] = {}
+
+    def is_word(self, nodes: Tensor) -> Tensor:
+        """Which of the tree `nodes` (-1: off the tree) end a known word."""
+        return (nodes >= 0) & self.complete[nodes.clamp(min=0)]
 
     def on(self, device: torch.device) -> Lexicon:
         """This lexicon with its tensors on `device` (made once per device)."""
@@ -169,10 +172,10 @@ class WordRules:
         self.length = torch.zeros(rows, dtype=torch.long, device=dev)  # (R,) its pieces; 0 = nothing begun
         self.node = torch.zeros(rows, dtype=torch.long, device=dev)  # (R,) its known-tree node, -1 off the tree
         self.h1, self.h2 = (torch.zeros(rows, dtype=torch.long, device=dev) for _ in range(2))  # its text hash
-        self.finished = torch.full((rows, 4), -1, dtype=torch.long, device=dev)  # (R, .) finished words' hashes
-        self.used = torch.full((rows, 4), -1, dtype=torch.long, device=dev)  # (R, .) and known-tree nodes
-        self.n_finished = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.n_used = torch.zeros(rows, dtype=torch.long, device=dev)
+        # (R, .) the hashes of the words each row has finished, and the known-tree nodes of those that are known
+        # words, in order from column 0 (-1 after them: a hash is >= 0, a word's node > 0)
+        self.finished = torch.full((rows, 4), -1, dtype=torch.long, device=dev)
+        self.used = torch.full((rows, 4), -1, dtype=torch.long, device=dev)
         self._ends = None  # may_end of the current rows, computed once per state
 
     # -- what the rows' words are -----------------------------------------------------------------------
@@ -202,8 +205,7 @@ class WordRules:
             ok &= ~self._finished_has(_combined(self.h1, self.h2)[:, None])[:, 0]
         if self.known_only:
             _, lengths, _, match = source or self._source_view()
-            known = (self.node >= 0) & self.lex.complete[self.node.clamp(min=0)]
-            ok &= known | (match & (lengths == self.length[:, None])).any(dim=1)
+            ok &= self.lex.is_word(self.node) | (match & (lengths == self.length[:, None])).any(dim=1)
         self._ends = ~begun | ok
         return self._ends
 
@@ -239,8 +241,7 @@ class WordRules:
         word_hash = _combined(self.h1, self.h2)
         fresh = ~self._finished_has(hashes) if self.no_repeat else torch.ones_like(match)  # (R, W) source words
         if self.no_repeat:  # a known start whose words are all used (this one included) is taken away
-            complete = begun & (self.node >= 0) & self.lex.complete[self.node.clamp(min=0)]
-            used = torch.cat([self.used, torch.where(complete, self.node, -1)[:, None]], dim=1)
+            used = torch.cat([self.used, torch.where(lex.is_word(self.node), self.node, -1)[:, None]], dim=1)
             rows, cols = (used > 0).nonzero(as_tuple=True)
             tops = lex.ancestors[used[rows, cols], 1]
             gone = ends[rows] & self._over_used(used, tops, rows)
@@ -282,18 +283,17 @@ class WordRules:
         pieces, length, node = self.pieces[parents], self.length[parents], self.node[parents]
         h1, h2 = self.h1[parents], self.h2[parents]
         finished, used = self.finished[parents], self.used[parents]
-        n_finished, n_used = self.n_finished[parents], self.n_used[parents]
         start = lex.starts[tokens]
         inside = lex.has_text[tokens] & ~start  # a piece inside the word
         ending = (start & (length > 0)).nonzero().squeeze(1)  # rows whose word is finished by a new one
-        if len(ending):
-            finished = _widen(finished, int(n_finished.max()) + 1)
-            finished[ending, n_finished[ending]] = _combined(h1[ending], h2[ending])
-            n_finished = n_finished + (start & (length > 0))
-            known = ending[(node[ending] >= 0) & lex.complete[node[ending].clamp(min=0)]]
-            used = _widen(used, int(n_used.max()) + 1)
-            used[known, n_used[known]] = node[known]
-            n_used = n_used.index_add(0, known, torch.ones_like(known))
+        if len(ending):  # appended at each row's first free column
+            count = (finished >= 0).sum(dim=1)
+            finished = _widen(finished, int(count.max()) + 1)
+            finished[ending, count[ending]] = _combined(h1[ending], h2[ending])
+            known = ending[lex.is_word(node[ending])]
+            count = (used >= 0).sum(dim=1)
+            used = _widen(used, int(count.max()) + 1)
+            used[known, count[known]] = node[known]
         key = node * lex.vocab_size + tokens
         at = torch.searchsorted(lex.edge_key, key).clamp(max=len(lex.edge_key) - 1)
         child = torch.where((lex.edge_key[at] == key) & (node >= 0), lex.edge_child[at], -1)
@@ -310,14 +310,13 @@ class WordRules:
         rows = grow.nonzero().squeeze(1)
         pieces[rows, where[rows]] = tokens[rows]
         self.pieces, self.finished, self.used = pieces, finished, used
-        self.n_finished, self.n_used = n_finished, n_used
         self._ends = None
 
     def select(self, rows, sentences) -> None:
         """Keep only `rows` (and their `sentences`), when finished sentences leave the batch."""
         dev = self.length.device
         rows, sentences = torch.as_tensor(rows, device=dev), torch.as_tensor(sentences, device=dev)
-        for name in ("pieces", "length", "node", "h1", "h2", "finished", "used", "n_finished", "n_used"):
+        for name in ("pieces", "length", "node", "h1", "h2", "finished", "used"):
             setattr(self, name, getattr(self, name)[rows])
         self.src_pieces, self.src_len, self.src_hash = (t[sentences] for t in (self.src_pieces, self.src_len,
                                                                                  self.src_hash))

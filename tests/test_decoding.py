@@ -224,15 +224,21 @@ def test_minimum_length_never_exceeds_the_source():
         assert allowed[:, 3].tolist() == ends, step  # 3: EOS
 
 
-def _allowed_by_definition(lex, known_pieces: set, source: list, hyp: list[int]) -> set[int]:
-    """The word rules (known words only, no repeats) read off their definition, for one hypothesis: what may
-    come next after `hyp`, given the known words' piece sequences and the source's (pieces, text) words."""
+def _words(lex, hyp: list[int]) -> tuple[list[list[int]], list[int]]:
+    """`hyp` as words of pieces: (the finished ones, the one being spelled)."""
     words, current = [], []
     for piece in hyp:
         if lex.starts_word[piece]:
             words, current = words + [current] if current else words, [piece]
         elif lex.text[piece]:
             current = current + [piece]
+    return words, current
+
+
+def _allowed_by_definition(lex, known_pieces: set, source: list, hyp: list[int]) -> set[int]:
+    """The word rules (known words only, no repeats) read off their definition, for one hypothesis: what may
+    come next after `hyp`, given the known words' piece sequences and the source's (pieces, text) words."""
+    words, current = _words(lex, hyp)
     text = lambda ps: "".join(lex.text[p] for p in ps)  # noqa: E731
     finished_texts, used = {text(w) for w in words}, {tuple(w) for w in words}
     cur = tuple(current)
@@ -253,12 +259,7 @@ def _allowed_by_definition(lex, known_pieces: set, source: list, hyp: list[int])
 
 def _written(lex, hyp: list[int]) -> list[tuple[list[int], list[int]]]:
     """(a finished word's pieces, the word being spelled) for each finished word it is a proper prefix of."""
-    words, current = [], []
-    for piece in hyp:
-        if lex.starts_word[piece]:
-            words, current = words + [current] if current else words, [piece]
-        elif lex.text[piece]:
-            current = current + [piece]
+    words, current = _words(lex, hyp)
     return [(w, current) for w in words if len(w) > len(current) and w[:len(current)] == current] + \
         [(w, []) for w in words + [current] if w]  # or begin it again
 
@@ -281,7 +282,7 @@ def test_word_rules_allow_exactly_what_their_definition_allows(lexicon_and_model
         for _ in range(16):
             allowed = rules.mask(torch.zeros(len(hyps), lex.vocab_size)) > float("-inf")
             for r, hyp in enumerate(hyps):
-                words = [lex.source_words(sources[alive[r // group]])][0]
+                words = lex.source_words(sources[alive[r // group]])
                 assert set(allowed[r].nonzero().flatten().tolist()) == _allowed_by_definition(
                     lex, known_pieces, words, hyp), (trial, r, hyp)
             parents = [r // group * group + int(torch.randint(group, (1,), generator=gen)) for r in range(len(hyps))]
