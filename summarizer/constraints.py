@@ -2,16 +2,19 @@
 and no word comes twice. A word is what the pieces between two word starts (SentencePiece's "▁") spell.
 
 A model that strings subword pieces freely can write words that do not exist ("supercomput", "yitz")
-or repeat itself ("heavy heavy turnout"). Here every hypothesis carries the word it is spelling. A piece
-may only extend it towards a known word that the hypothesis has not used yet (a prefix tree over the
-pieces of every known word, and the words of its source), and the word may only end (at the next word
-start, or EOS) once it is complete and unused. Since every allowed piece keeps an unused word within
-reach, a hypothesis never spells itself into a dead end.
+or repeat itself ("heavy heavy turnout", "feb feb."). Here every hypothesis carries the word it is
+spelling. A piece may only extend it towards a known word that the hypothesis has not used yet (a prefix
+tree over the pieces of every known word, and the words of its source), and the word may only end (at the
+next word start, or EOS) once it is complete and unused. Since every allowed piece keeps an unused word
+within reach, a hypothesis never spells itself into a dead end.
 
 Every rule is tensor arithmetic over all the rows of a step at once: the tree is stored as sorted edge
 keys and an ancestor table, each row's state (its word's pieces, tree node and text hash, the words it has
 finished) as tensors that beams reorder by indexing. Words are compared by a 62-bit hash of their text
-(two 31-bit polynomial hashes), which a row extends piece by piece.
+(two 31-bit polynomial hashes), which a row extends piece by piece. Punctuation at the end of a word does not
+make it another word: text normalised without word tokenization keeps "feb." and "cocoa," whole, so words
+are compared by their repeat key, the text without its closing punctuation ("feb." is "feb" again), and a
+finished word uses up every known word of its key.
 """
 from __future__ import annotations
 
@@ -62,12 +65,17 @@ class Lexicon:
         # copied whole (the UNK written back as the source's own character: evaluate.summary_text), never
         # spelled without it, and no known word holds one.
         self.text[UNK] = UNKNOWN_TEXT
+        # (V,) pieces inside a word that write only punctuation: closing a word, left out of its repeat key
+        self.punct_inside = [bool(t) and i != UNK and not self.starts_word[i] and not any(c.isalnum() or c == "#"
+                                                                                         for c in t)
+                             for i, t in enumerate(self.text)]
         self.piece_bytes = torch.tensor([len(p.replace(WORD_START, " ").encode()) if i not in special else 0
                                          for i, p in enumerate(pieces)], dtype=torch.float32)
         hashes = [text_hash(t) for t in self.text]
         self.piece_h1, self.piece_h2 = (torch.tensor([h[k] for h in hashes]) for k in (0, 1))
         self.piece_pow1, self.piece_pow2 = (torch.tensor([pow(HASH_BASE, len(t), p) for t in self.text])
                                             for p in (HASH_P1, HASH_P2))
+        self.punct = torch.tensor(self.punct_inside)
         self.starts = torch.tensor(self.starts_word)  # (V,) pieces that start a word
         self.has_text = torch.tensor([bool(t) for t in self.text])  # (V,) pieces that write characters
         parent, piece_into, complete = [-1], [-1], [False]
@@ -94,10 +102,13 @@ class Lexicon:
         # ancestors[node, d]: the node's ancestor at depth d (itself at its own depth), -1 below it
         self.ancestors = torch.full((n, max(depth) + 2), -1, dtype=torch.long)
         self.ancestors[0, 0] = 0
+        # each node's text and repeat key hashes, extended level by level as WordRules.advance extends a row's
+        hashes = torch.zeros(4, n, dtype=torch.long)
         for d in range(1, max(depth) + 1):
             level = (self.depth == d).nonzero().squeeze(1)
             self.ancestors[level] = self.ancestors[self.parent[level]]
             self.ancestors[level, d] = level
+            hashes[:, level] = torch.stack(self.extend(*hashes[:, self.parent[level]], self.piece_into[level]))
         below = np.asarray(complete, dtype=np.int64)
         for node in range(n - 1, 0, -1):  # children come after their parents
             below[parent[node]] += below[node]
@@ -110,7 +121,33 @@ class Lexicon:
         roots = self.edge_key < v
         self.root_child[self.edge_key[roots]] = self.edge_child[roots]
         self.known_starts = self.root_child >= 0  # (V,) first pieces of known words
+        # (C,) repeat key hashes, sorted, and (C, M) the nodes of each key's known words (-1 after them); a first
+        # entry of hash -1 (no word's) keeps the table non-empty
+        words = self.complete.nonzero().squeeze(1)
+        word_keys = _combined(hashes[2, words], hashes[3, words])
+        keys, members = torch.unique(word_keys, return_counts=True)  # sorted
+        order = torch.argsort(word_keys, stable=True)
+        rank = torch.arange(len(words)) - torch.repeat_interleave(torch.cumsum(members, 0) - members, members)
+        self.class_hash = torch.cat([torch.tensor([-1]), keys])
+        self.class_nodes = torch.full((len(keys) + 1, int(members.max()) if len(keys) else 1), -1, dtype=torch.long)
+        self.class_nodes[1 + torch.repeat_interleave(torch.arange(len(keys)), members), rank] = words[order]
         self._on: dict[torch.device, Lexicon] = {}
+
+    def extend(self, f1: Tensor, f2: Tensor, k1: Tensor, k2: Tensor, pieces: Tensor) -> tuple[Tensor, ...]:
+        """A word's text hashes (f1, f2) and repeat key hashes (k1, k2) after one more piece: the key is the
+        text up to its last piece that is not punctuation (or its first piece; an empty text hashes to 0, and
+        a non-empty one to 0 twice with probability ~1e-19)."""
+        f1 = (f1 * self.piece_pow1[pieces] + self.piece_h1[pieces]) % HASH_P1
+        f2 = (f2 * self.piece_pow2[pieces] + self.piece_h2[pieces]) % HASH_P2
+        keyed = ~(self.punct[pieces] & ((k1 != 0) | (k2 != 0)))
+        return f1, f2, torch.where(keyed, f1, k1), torch.where(keyed, f2, k2)
+
+    def key_nodes(self, hashes: Tensor) -> Tensor:
+        """(R,) repeat key hashes -> (R, M) the tree nodes of the known words with each key (-1 after them),
+        M the most any of them has (at least 1)."""
+        at = torch.searchsorted(self.class_hash, hashes).clamp(max=len(self.class_hash) - 1)
+        nodes = torch.where((self.class_hash[at] == hashes)[:, None], self.class_nodes[at], -1)
+        return nodes[:, :max(1, int((nodes >= 0).sum(dim=1).max()))] if len(nodes) else nodes[:, :1]
 
     def is_word(self, nodes: Tensor) -> Tensor:
         """Which of the tree `nodes` (-1: off the tree) end a known word."""
@@ -126,14 +163,23 @@ class Lexicon:
             self._on[device] = moved
         return self._on[device]
 
+    def repeat_key(self, pieces: list[int]) -> str:
+        """What a word of `pieces` is compared by: its text without the punctuation pieces at its end, unless
+        that would leave nothing ("feb." and "feb," are "feb"; "u.s." is "u.s"; "#,###" stays; "--" is "-")."""
+        key = text = ""
+        for p in pieces:
+            text += self.text[p]
+            key = key if key and self.punct_inside[p] else text
+        return key
+
     def source_words(self, src_ids: list[int]) -> list[tuple[list[int], str]]:
-        """A source's words: (pieces, text) each, in order; a word holding a piece that writes nothing
+        """A source's words: (pieces, repeat key) each, in order; a word holding a piece that writes nothing
         after its first is left out."""
         words, word = [], []
         for i in [*src_ids, None]:
             if (i is None or self.starts_word[i]) and word:
                 if all(self.text[p] for p in word[1:]):
-                    words.append((word, "".join(self.text[p] for p in word)))
+                    words.append((word, self.repeat_key(word)))
                 word = []
             if i is not None and (self.text[i] or self.starts_word[i]):
                 word.append(i)
@@ -171,9 +217,10 @@ class WordRules:
         self.pieces = torch.full((rows, 4), -1, dtype=torch.long, device=dev)  # (R, .) the word being spelled
         self.length = torch.zeros(rows, dtype=torch.long, device=dev)  # (R,) its pieces; 0 = nothing begun
         self.node = torch.zeros(rows, dtype=torch.long, device=dev)  # (R,) its known-tree node, -1 off the tree
-        self.h1, self.h2 = (torch.zeros(rows, dtype=torch.long, device=dev) for _ in range(2))  # its text hash
-        # (R, .) the hashes of the words each row has finished, and the known-tree nodes of those that are known
-        # words, in order from column 0 (-1 after them: a hash is >= 0, a word's node > 0)
+        # (R,) its text's hashes (f1, f2) and its repeat key's (h1, h2): Lexicon.extend
+        self.f1, self.f2, self.h1, self.h2 = (torch.zeros(rows, dtype=torch.long, device=dev) for _ in range(4))
+        # (R, .) the repeat keys (hashes) of the words each row has finished, and the known-tree nodes of every
+        # known word with one of those keys, in order from column 0 (-1 after them: a hash is >= 0, a node > 0)
         self.finished = torch.full((rows, 4), -1, dtype=torch.long, device=dev)
         self.used = torch.full((rows, 4), -1, dtype=torch.long, device=dev)
         self._ends = None  # may_end of the current rows, computed once per state
@@ -209,6 +256,11 @@ class WordRules:
         self._ends = ~begun | ok
         return self._ends
 
+    def _repeating(self) -> Tensor:
+        """(R,) is the word each row is spelling, with some text so far, one the row has finished already?"""
+        has_text = (self.h1 != 0) | (self.h2 != 0)
+        return has_text & self._finished_has(_combined(self.h1, self.h2)[:, None])[:, 0]
+
     def finish(self, row: int, hyp: list[int]) -> list[int]:
         """Row `row` ends with `hyp`: without the word it is spelling if that word may not end (only
         `max_len` cuts a word short)."""
@@ -216,22 +268,31 @@ class WordRules:
 
     # -- the mask ------------------------------------------------------------------------------------------
     def _over_used(self, used: Tensor, nodes: Tensor, rows: Tensor) -> Tensor:
-        """For tree `nodes` (one per entry, of row `rows`): are all the words at or under it among the
-        row's `used` words?"""
-        d = self.lex.depth[nodes]
-        u = used[rows]  # (E, U)
-        under = torch.where(u >= 0, self.lex.ancestors[u.clamp(min=0), d[:, None]], -1) == nodes[:, None]
-        return self.lex.words_below[nodes] <= under.sum(dim=1)
+        """For tree `nodes` (one per entry, of row `rows`; each row's at one depth): are all the words at or
+        under it among the row's `used` words? Counted per (row, ancestor) over the used words at once."""
+        lex, n = self.lex, len(self.lex.parent)
+        if not len(nodes):
+            return torch.zeros(0, dtype=torch.bool, device=nodes.device)
+        depth = torch.zeros(len(used), dtype=torch.long, device=nodes.device)
+        depth[rows] = lex.depth[nodes]
+        r, c = (used > 0).nonzero(as_tuple=True)
+        above = lex.ancestors[used[r, c], depth[r]]  # each used word's ancestor at its row's depth (-1: none)
+        keys, counts = torch.unique((r * n + above)[above >= 0], return_counts=True)  # sorted
+        want = rows * n + nodes
+        at = torch.searchsorted(keys, want).clamp(max=max(len(keys) - 1, 0))
+        under = torch.where(keys[at] == want, counts[at], 0) if len(keys) else torch.zeros_like(want)
+        return lex.words_below[nodes] <= under
 
     def mask(self, log_probs: Tensor) -> Tensor:
         """Set -inf on every (row, piece) the rules forbid, in place; a row left with nothing may end (EOS)."""
         lex = self.lex
         source = self._source_view() if self.known_only else None
         ends = self._may_end(source)
-        if not self.known_only:  # only repeats are ruled out: a repeated word may not end
+        if not self.known_only:  # only repeats are ruled out: a repeated word may not end, nor add punctuation
             if not bool(ends.all()):
                 log_probs[~ends] = log_probs[~ends].masked_fill(lex.starts | (torch.arange(
                     lex.vocab_size, device=ends.device) == EOS), float("-inf"))
+                log_probs[self._repeating()] = log_probs[self._repeating()].masked_fill(lex.punct, float("-inf"))
             return log_probs
         pieces, lengths, hashes, match = source
         begun = self.length > 0
@@ -240,8 +301,8 @@ class WordRules:
         allowed[ends, EOS] = True
         word_hash = _combined(self.h1, self.h2)
         fresh = ~self._finished_has(hashes) if self.no_repeat else torch.ones_like(match)  # (R, W) source words
-        if self.no_repeat:  # a known start whose words are all used (this one included) is taken away
-            used = torch.cat([self.used, torch.where(lex.is_word(self.node), self.node, -1)[:, None]], dim=1)
+        if self.no_repeat:  # a known start whose words are all used (this one's key included) is taken away
+            used = torch.cat([self.used, torch.where(begun[:, None], lex.key_nodes(word_hash), -1)], dim=1)
             rows, cols = (used > 0).nonzero(as_tuple=True)
             tops = lex.ancestors[used[rows, cols], 1]
             gone = ends[rows] & self._over_used(used, tops, rows)
@@ -281,7 +342,7 @@ class WordRules:
         parents, tokens = torch.as_tensor(parents, device=dev), torch.as_tensor(tokens, device=dev)
         self.group = group or self.group
         pieces, length, node = self.pieces[parents], self.length[parents], self.node[parents]
-        h1, h2 = self.h1[parents], self.h2[parents]
+        h1, h2, f1, f2 = self.h1[parents], self.h2[parents], self.f1[parents], self.f2[parents]
         finished, used = self.finished[parents], self.used[parents]
         start = lex.starts[tokens]
         inside = lex.has_text[tokens] & ~start  # a piece inside the word
@@ -290,18 +351,17 @@ class WordRules:
             count = (finished >= 0).sum(dim=1)
             finished = _widen(finished, int(count.max()) + 1)
             finished[ending, count[ending]] = _combined(h1[ending], h2[ending])
-            known = ending[lex.is_word(node[ending])]
-            count = (used >= 0).sum(dim=1)
-            used = _widen(used, int(count.max()) + 1)
-            used[known, count[known]] = node[known]
+            block = lex.key_nodes(finished[ending, count[ending]])  # every known word of the ended word's key
+            count = (used >= 0).sum(dim=1)[ending]
+            used = _widen(used, int(count.max()) + block.shape[1])
+            used[ending[:, None], count[:, None] + torch.arange(block.shape[1], device=dev)] = block
         key = node * lex.vocab_size + tokens
         at = torch.searchsorted(lex.edge_key, key).clamp(max=len(lex.edge_key) - 1)
         child = torch.where((lex.edge_key[at] == key) & (node >= 0), lex.edge_child[at], -1)
         self.node = torch.where(start, lex.root_child[tokens], torch.where(inside, child, node))
-        self.h1 = torch.where(start, lex.piece_h1[tokens], torch.where(
-            inside, (h1 * lex.piece_pow1[tokens] + lex.piece_h1[tokens]) % HASH_P1, h1))
-        self.h2 = torch.where(start, lex.piece_h2[tokens], torch.where(
-            inside, (h2 * lex.piece_pow2[tokens] + lex.piece_h2[tokens]) % HASH_P2, h2))
+        old = torch.stack([f1, f2, h1, h2])
+        grown = torch.stack(lex.extend(*torch.where(start, 0, old), tokens))  # a word start begins from nothing
+        self.f1, self.f2, self.h1, self.h2 = torch.where(start | inside, grown, old)
         pieces = _widen(pieces, int(length.max()) + 1) if len(length) else pieces
         pieces[start] = -1
         self.length = torch.where(start, 1, length + inside)
@@ -316,7 +376,7 @@ class WordRules:
         """Keep only `rows` (and their `sentences`), when finished sentences leave the batch."""
         dev = self.length.device
         rows, sentences = torch.as_tensor(rows, device=dev), torch.as_tensor(sentences, device=dev)
-        for name in ("pieces", "length", "node", "h1", "h2", "finished", "used"):
+        for name in ("pieces", "length", "node", "f1", "f2", "h1", "h2", "finished", "used"):
             setattr(self, name, getattr(self, name)[rows])
         self.src_pieces, self.src_len, self.src_hash = (t[sentences] for t in (self.src_pieces, self.src_len,
                                                                                  self.src_hash))

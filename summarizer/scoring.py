@@ -13,6 +13,7 @@ from tqdm import tqdm
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 MEASURES = ("p", "r", "f")
 _UNK = re.compile(r"(?<!\S)(?:UNK|<unk>)(?!\S)")
+_CLOSING_PUNCTUATION = re.compile(r"[^\w#]+$")  # what a word's repeat key leaves out (summarizer/constraints.py)
 
 
 def unify_unk(text: str) -> str:
@@ -100,13 +101,20 @@ def words(text: str) -> list[str]:
     return text.lower().split()
 
 
+def repeat_key(word: str) -> str:
+    """A word without its closing punctuation (punctuation alone is a word as it is): what repeats are
+    counted by."""
+    return _CLOSING_PUNCTUATION.sub("", word) or word
+
+
 def quality(predictions: list[str], sources: list[list[str]], references: list[list[str]],
             known: set[str]) -> dict:
     """What ROUGE does not show, over all predictions:
 
     - nonword_rate: share of predictions holding a word found neither in its source (`sources[i]`, the
       word lists a source may be written as) nor in `known` (the words of the training text);
-    - repeat_rate: share of predictions in which some word occurs more than once;
+    - repeat_rate: share of predictions in which some word occurs more than once, compared without the
+      punctuation that closes it ("feb" and "feb." are one word, as the decoding rules count them);
     - words_per_prediction, and words_per_reference (the mean over each pair's references).
     """
     n = max(len(predictions), 1)
@@ -114,7 +122,7 @@ def quality(predictions: list[str], sources: list[list[str]], references: list[l
     for pred, source in zip(predictions, sources, strict=True):
         tokens, in_source = words(pred), {w for variant in source for w in variant}
         nonword += any(w not in known and w not in in_source for w in tokens)
-        repeated += any(count > 1 for count in Counter(tokens).values())
+        repeated += any(count > 1 for count in Counter(repeat_key(w) for w in tokens).values())
     ref_words = [np.mean([len(words(r)) for r in refs]) for refs in references if refs]
     return {"nonword_rate": 100.0 * nonword / n, "repeat_rate": 100.0 * repeated / n,
             "words_per_prediction": float(np.mean([len(words(p)) for p in predictions])) if predictions else 0.0,

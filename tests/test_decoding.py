@@ -9,7 +9,7 @@ from summarizer.constraints import Lexicon
 from summarizer.decoding import _block_repeats, beam_search, greedy
 from summarizer.model import Seq2Seq
 from summarizer.prepared import open_tokenizer, training_words
-from summarizer.tokenizer import EOS, UNK
+from summarizer.tokenizer import EOS, PAD, UNK
 
 PLAIN = EvalConfig(max_len=12, known_words=False, no_repeat_words=False, no_repeat_ngram=0)
 
@@ -128,7 +128,8 @@ def test_word_rules_emit_only_known_or_source_words_and_never_twice(lexicon_and_
     assert any(w not in known and w not in texts[i].split() for i, words in enumerate(free) for w in words)
     for i, words in enumerate(ruled):
         assert words and all(w in known or w in texts[i].split() for w in words), words
-        assert len(words) == len(set(words)), words
+        keys = [lex.repeat_key(tokenizer.encode(w)) for w in words]
+        assert len(keys) == len(set(keys)), words
 
 
 def test_numbers_and_the_unknown_marker_come_only_from_the_source(tiny_prepared):
@@ -168,6 +169,56 @@ def test_a_source_word_with_a_character_outside_the_vocabulary_is_copied_whole_o
         rules.advance([0], [piece])
     assert tokenizer.decode(source, {cut: "\u00f6"}) == "bj\u00f6rk won"
     assert UNK not in lex.known_starts.nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("known_only", [True, False])
+def test_punctuation_does_not_make_a_used_word_new(tiny_prepared, known_only):
+    """Text normalised without word tokenization keeps "feb." whole: after "feb" (or "feb." or "feb,")
+    none of them may follow ("gold closes higher feb feb."). With known words only the tree refuses the
+    word's first piece already (every word under it is used up), so no row spells itself into a dead end;
+    with repeats only, a row may spell "feb" again but neither end it nor add punctuation to it."""
+    from summarizer.constraints import Lexicon, WordRules
+    tokenizer = open_tokenizer(tiny_prepared)
+    lex = Lexicon(tokenizer, {"feb", "feb.", "feb,", "gold"})
+    dot, comma = tokenizer.encode("feb.")[-1], tokenizer.encode("feb,")[-1]
+    assert lex.punct_inside[dot] and lex.punct_inside[comma]
+    assert lex.repeat_key(tokenizer.encode("feb.")) == lex.repeat_key(tokenizer.encode("feb")) == "feb"
+    assert lex.repeat_key(tokenizer.encode("--")) == "-"  # punctuation alone is a word's text
+    assert lex.repeat_key(tokenizer.encode("#,###")) == "#,###"  # inside a word it stays
+    feb = tokenizer.encode("feb")
+    for first in ("feb", "feb.", "feb,"):
+        rules = WordRules(lex, [tokenizer.encode("gold")], group=1, known_only=known_only, no_repeat=True)
+        for piece in tokenizer.encode(first):
+            assert (rules.mask(torch.zeros(1, lex.vocab_size)) > float("-inf"))[0, piece], (first, piece)
+            rules.advance([0], [piece])
+        # ending it here uses up every "feb" word: the next word may not begin like one
+        assert not (rules.mask(torch.zeros(1, lex.vocab_size)) > float("-inf"))[0, feb[0]] or not known_only
+        for piece in tokenizer.encode("gold"):
+            assert (rules.mask(torch.zeros(1, lex.vocab_size)) > float("-inf"))[0, piece], (first, piece)
+            rules.advance([0], [piece])
+        allowed = (rules.mask(torch.zeros(1, lex.vocab_size)) > float("-inf"))[0]
+        if known_only:
+            assert not allowed[feb[0]] and allowed.nonzero().flatten().tolist() == [EOS], first
+            continue
+        for piece in feb:
+            rules.advance([0], [piece])
+        allowed = (rules.mask(torch.zeros(1, lex.vocab_size)) > float("-inf"))[0]
+        assert not allowed[dot] and not allowed[comma] and not (allowed & lex.starts).any() and not allowed[EOS]
+
+
+def test_a_rows_word_hash_is_the_hash_of_its_repeat_key(tiny_prepared):
+    """The hash a row extends piece by piece equals the hash of Lexicon.repeat_key of the word's pieces, for
+    every training word and words of punctuation alone."""
+    from summarizer.constraints import WordRules, text_hash
+    from summarizer.prepared import lexicon
+    tokenizer, lex = open_tokenizer(tiny_prepared), lexicon(tiny_prepared)
+    words = sorted(training_words(tiny_prepared)) + ["--", "-lrb-", "u.s.", "feb.", "(afp)", "...", "'s", "#,###"]
+    encoded = [ids for ids in tokenizer.encode_batch(words) if ids and lex.starts_word[ids[0]]]
+    rules = WordRules(lex, [[5]] * len(encoded), group=1, known_only=False, no_repeat=True)
+    for k in range(max(map(len, encoded))):
+        rules.advance(list(range(len(encoded))), [ids[k] if k < len(ids) else PAD for ids in encoded])
+    for row, ids in enumerate(encoded):
+        assert (int(rules.h1[row]), int(rules.h2[row])) == text_hash(lex.repeat_key(ids)), tokenizer.decode(ids)
 
 
 def test_word_rules_agree_between_greedy_and_beam_one(lexicon_and_model):
@@ -239,8 +290,9 @@ def _allowed_by_definition(lex, known_pieces: set, source: list, hyp: list[int])
     """The word rules (known words only, no repeats) read off their definition, for one hypothesis: what may
     come next after `hyp`, given the known words' piece sequences and the source's (pieces, text) words."""
     words, current = _words(lex, hyp)
-    text = lambda ps: "".join(lex.text[p] for p in ps)  # noqa: E731
-    finished_texts, used = {text(w) for w in words}, {tuple(w) for w in words}
+    text = lex.repeat_key  # words are compared by their text without punctuation after some text
+    finished_texts = {text(w) for w in words}
+    used = {k for k in known_pieces if text(k) in finished_texts}  # a finished word uses up its key
     cur = tuple(current)
     source_seqs = [(tuple(p), t) for p, t in source]
     allowed = set()
@@ -250,7 +302,7 @@ def _allowed_by_definition(lex, known_pieces: set, source: list, hyp: list[int])
                     and t not in finished_texts}
     complete = cur in known_pieces or any(p == cur for p, _ in source_seqs)
     if not cur or (text(cur) not in finished_texts and complete):
-        used_now = used | ({cur} if cur in known_pieces else set())
+        used_now = used | {k for k in known_pieces if cur and text(k) == text(cur)}
         texts_now = finished_texts | ({text(cur)} if cur else set())
         allowed |= {EOS} | {k[0] for k in known_pieces if k not in used_now}
         allowed |= {p[0] for p, t in source_seqs if t not in texts_now}

@@ -69,3 +69,7 @@ def test_quality_rates_on_hand_made_cases():
     assert rates["repeat_rate"] == pytest.approx(25.0)  # "bank bank"
     assert rates["words_per_prediction"] == pytest.approx(2.75)
     assert rates["words_per_reference"] == pytest.approx((3 + 5 + 2 + 1) / 4)
+    # closing punctuation does not make a word new; punctuation inside one does, and so does none at all
+    repeats = quality(["gold rises in feb feb.", "u.s. and us", "#,### to ####", "-- and -"], [[[]]] * 4,
+                      [["x"]] * 4, set())["repeat_rate"]
+    assert repeats == pytest.approx(25.0)  # "feb feb."; not "u.s." and "us", nor "#,###" and "####", nor "--" and "-"
