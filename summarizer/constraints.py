@@ -292,7 +292,8 @@ class WordRules:
             if not bool(ends.all()):
                 log_probs[~ends] = log_probs[~ends].masked_fill(lex.starts | (torch.arange(
                     lex.vocab_size, device=ends.device) == EOS), float("-inf"))
-                log_probs[self._repeating()] = log_probs[self._repeating()].masked_fill(lex.punct, float("-inf"))
+                repeating = self._repeating()
+                log_probs[repeating] = log_probs[repeating].masked_fill(lex.punct, float("-inf"))
             return log_probs
         pieces, lengths, hashes, match = source
         begun = self.length > 0
@@ -350,8 +351,9 @@ class WordRules:
         if len(ending):  # appended at each row's first free column
             count = (finished >= 0).sum(dim=1)
             finished = _widen(finished, int(count.max()) + 1)
-            finished[ending, count[ending]] = _combined(h1[ending], h2[ending])
-            block = lex.key_nodes(finished[ending, count[ending]])  # every known word of the ended word's key
+            ended = _combined(h1[ending], h2[ending])
+            finished[ending, count[ending]] = ended
+            block = lex.key_nodes(ended)  # every known word of the ended word's key
             count = (used >= 0).sum(dim=1)[ending]
             used = _widen(used, int(count.max()) + block.shape[1])
             used[ending[:, None], count[:, None] + torch.arange(block.shape[1], device=dev)] = block

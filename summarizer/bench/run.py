@@ -283,7 +283,7 @@ def run_bench(cfg: Config) -> list[dict]:
     """Measure every (selected) row; print the table; write bench.json, bench.md and TensorBoard scalars."""
     claim_dir(cfg.run_dir, "run", "run.dir", legacy=("bench.json",))
     table = rows(cfg)
-    wanted = cfg.bench.rows or list(table) + [n for n in NOT_HERE if n not in table]
+    wanted = cfg.bench.rows or list(table) + [n for n in NOT_HERE if n not in table] + list(AFTER_ROWS)
     unknown = [n for n in wanted if n not in table and n not in NOT_HERE and n not in AFTER_ROWS]
     if unknown:
         from summarizer.errors import ConfigError
@@ -309,11 +309,14 @@ def run_bench(cfg: Config) -> list[dict]:
                         **({"padding_on": values["on"]["padding"], "padding_off": values["off"]["padding"]}
                            if "padding" in values["on"] and name == "bucketing" else {}),
                         **{k: v for k, v in values.items() if k not in ("on", "off")}})
-    if weights(cfg).is_file() and ("decode_file" in wanted or not cfg.bench.rows):
+    if "decode_file" in wanted and not weights(cfg).is_file():
+        results.append({"practice": "decode_file", "skipped": f"no trained checkpoint at {weights(cfg)} "
+                                                              f"(bench.checkpoint, else the run's best.pt)"})
+    elif "decode_file" in wanted:
         print("bench: decode_file (a file of raw text decoded with the default eval, start-up apart) ...",
               file=sys.stderr, flush=True)
         results.append({"practice": "decode_file", **file_row(cfg)})
-    if "decode_profile" in wanted or not cfg.bench.rows:
+    if "decode_profile" in wanted:
         print("bench: decode_profile (where a beam-4 default-eval decode spends its time) ...", file=sys.stderr,
               flush=True)
         results.append({"practice": "decode_profile", **profile_row(cfg)})

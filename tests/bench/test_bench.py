@@ -125,3 +125,10 @@ def test_decode_file_row_times_start_up_apart_from_both_searches(trained_run, tm
     assert all(r["n"] == 2 and r["median"] > 0 for r in row["rates"].values())
     table = (cfg.run_dir / "bench.md").read_text()
     assert "| decode_file | pairs.jsonl.gz (2 sentences), default eval: start-up" in table
+
+
+def test_decode_file_row_without_a_checkpoint_says_so(cfg):
+    cfg.bench.rows, cfg.bench.find_batch_tokens = ["decode_file"], False
+    [row] = run_bench(cfg)
+    assert row["practice"] == "decode_file" and "no trained checkpoint" in row["skipped"]
+    assert "| decode_file | not measured: no trained checkpoint" in (cfg.run_dir / "bench.md").read_text()
