@@ -71,14 +71,18 @@ def clean_split(ds: Dataset, cfg: DataConfig, name: str, num_proc: int | None) -
     return ds, {rule: dropped.get(rule, 0) for rule in RULES}
 
 
-def hold_out(train: Dataset, n: int) -> tuple[Dataset, Dataset]:
-    """(train, valid): the n pairs with the smallest source hash, independent of any seed.
+def hold_out(train: Dataset, n: int, unpaired_tags: tuple = ()) -> tuple[Dataset, Dataset]:
+    """(train, valid): the n pairs with the smallest source hash, independent of any seed; never a sentence of an
+    unpaired source (`unpaired_tags`), which has no headline to score.
 
     Pairs sharing a source share its hash, so the whole group at the boundary goes to valid:
     valid may hold slightly more than n pairs but never shares a source with train.
     """
     hashes = np.asarray(train.with_format("numpy", columns=["source_hash"])[:]["source_hash"])
     order = np.lexsort((np.arange(len(hashes)), hashes))
+    if unpaired_tags:
+        tags = np.asarray(train.with_format("numpy", columns=["tag"])[:]["tag"])
+        order = order[~np.isin(tags[order], list(unpaired_tags))]
     cut = n
     while cut < len(order) and hashes[order[cut]] == hashes[order[n - 1]]:
         cut += 1

@@ -9,6 +9,11 @@ and what every rule did, per source.
           - {path: DIR/news_extra/reuters21578/pairs.jsonl.gz, filter: {prose: true},
              clean: [ticker_tags], tag: reuters}
           - {path: DIR/news_extra/ag_news/test_pairs.jsonl.gz, clean: [agency_prefix, agency_suffix], tag: agnews}
+          - {path: DIR/news_extra/wmt_newstest/english.jsonl.gz, unpaired: true, tag: news}
+
+An `unpaired` file holds sentences without headlines (its source field, or `text`): each becomes a pair of the
+sentence with itself, which training turns into a denoising example (summarizer/noise.py): the encoder sees the
+sentence with spans of words masked, the decoder writes it whole. Unpaired entries need a tag and belong to train.
 
 Cleaning rules run on the raw text, before the one normalisation (case, digits, word tokenization) that every
 source then shares, so headlines of other styles come out as Gigaword's do.
@@ -34,7 +39,7 @@ CLEANING = {
     "agency_prefix": ("source",
                       re.compile(r"^(?:AP|AFP|Reuters|UPI|[A-Za-z][\w.]*\.com) - (?:[A-Z][\w.,' ]{0,40}-- )?")),
 }
-ENTRY_KEYS = ("path", "filter", "clean", "tag")
+ENTRY_KEYS = ("path", "filter", "clean", "tag", "unpaired")
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class FileSpec:
     filter: tuple = ()  # ((field, value), ...): keep only records whose field equals the value
     clean: tuple = ()  # names of CLEANING rules, applied in order
     tag: str = ""  # the source's name, recorded with each of its pairs
+    unpaired: bool = False  # sentences without headlines: each is paired with itself (a denoising example)
 
 
 def parse_entry(entry, split: str) -> FileSpec:
@@ -70,7 +76,15 @@ def parse_entry(entry, split: str) -> FileSpec:
     tag = entry.get("tag") or ""
     if not isinstance(tag, str) or not re.fullmatch(r"[\w.-]*", tag):
         raise ConfigError(f"data.source.{split}: 'tag' of {entry['path']} must be a plain name, got {tag!r}")
-    return FileSpec(Path(entry["path"]), tuple(sorted(wanted.items())), tuple(rules), tag)
+    unpaired = entry.get("unpaired", False)
+    if not isinstance(unpaired, bool):
+        raise ConfigError(f"data.source.{split}: 'unpaired' of {entry['path']} must be true or false, got {unpaired!r}")
+    if unpaired and (split != "train" or not tag):
+        raise ConfigError(f"data.source.{split}: the unpaired file {entry['path']} "
+                          + ("must be a train entry: valid and test pairs are scored against headlines"
+                             if split != "train" else "needs a tag (`tag: NAME`): training tells its sentences apart "
+                             "by it, and decoding must never be asked for their style"))
+    return FileSpec(Path(entry["path"]), tuple(sorted(wanted.items())), tuple(rules), tag, unpaired)
 
 
 def sha256(path: Path) -> str:

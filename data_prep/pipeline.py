@@ -11,7 +11,7 @@ from data_prep.sources import PRODUCT_SPLITS, input_files, is_hub, load_splits
 from data_prep.tokenize import encode_split, token_dtype, write_split
 from data_prep.train_spm import train_spm
 from summarizer.config import DataConfig
-from summarizer.errors import DataError
+from summarizer.errors import ConfigError, DataError
 from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
 from summarizer.prepared import FORMAT_VERSION, META_FILE, SPM_FILE, split_files
 from summarizer.tokenizer import BOS, EOS, PAD, UNK
@@ -52,9 +52,19 @@ def worker_count(rows: int, num_proc: int) -> int | None:
     return procs if procs > 1 else None
 
 
+def unpaired_tags(inputs: list[dict]) -> list[str]:
+    """The tags of the unpaired (sentence-only) train files, as `load_splits` recorded them."""
+    return sorted({info["tag"] for info in inputs if info.get("unpaired")})
+
+
 def _load_and_clean(cfg: DataConfig, data_dir: Path) -> tuple[dict, dict, dict, int, list]:
     """(cleaned splits, raw pair counts, drops per split and rule, pairs held out of train as valid, inputs read)."""
     raw, ignored, inputs = load_splits(cfg, data_dir / CACHE_DIR)
+    paired = {info.get("tag", "") for info in inputs if not info.get("unpaired")}
+    shared = sorted(set(unpaired_tags(inputs)) & paired)
+    if shared:
+        raise ConfigError(f"data.source: tag(s) {', '.join(shared)} name both headline pairs and unpaired "
+                          f"sentences: give the unpaired files a tag of their own (training noises every pair of it)")
     if ignored:
         print(f"note: source split(s) {', '.join(ignored)} are not mapped to train/valid/test and are ignored; "
               f"to use one, give data.splits whole, e.g. data.splits='{{train: [train], test: [{ignored[0]}]}}'",
@@ -69,7 +79,8 @@ def _load_and_clean(cfg: DataConfig, data_dir: Path) -> tuple[dict, dict, dict, 
     if cfg.valid_holdout > 0 and "valid" in cleaned:
         print("note: data.valid_holdout is ignored because a valid split is mapped", flush=True)
     elif cfg.valid_holdout > 0:
-        cleaned["train"], cleaned["valid"] = hold_out(cleaned["train"], cfg.valid_holdout)
+        cleaned["train"], cleaned["valid"] = hold_out(cleaned["train"], cfg.valid_holdout,
+                                                      tuple(unpaired_tags(inputs)))
         held = len(cleaned["valid"])
     for split in [s for s, ds in cleaned.items() if len(ds) == 0]:
         print(f"note: every {split} pair was dropped ({dropped[split]}); no {split} split is written", flush=True)
@@ -132,7 +143,8 @@ def prepare(cfg: DataConfig) -> dict | None:
     refuse_silent_rebuild(data_dir, cfg)
     cleaned, raw_pairs, dropped, held, inputs = _load_and_clean(cfg, data_dir)
     tags = source_tags(cleaned, cfg.source_tag)
-    spm_model, spm_info = train_spm(cleaned["train"], cfg, tags)
+    unpaired = unpaired_tags(inputs)
+    spm_model, spm_info = train_spm(cleaned["train"], cfg, tags, mask=bool(unpaired))
     _clear_outputs(data_dir)  # only now: every failure a user can cause has happened by here
     atomic_write(data_dir / SPM_FILE, spm_model)
     dtype = token_dtype(spm_info["vocab_size"])
@@ -150,6 +162,7 @@ def prepare(cfg: DataConfig) -> dict | None:
                           **({"source_tag": cfg.source_tag} if cfg.source_tag else {})},
         "source": cfg.source, "splits": stats, "raw_pairs": raw_pairs, "dropped": dropped,
         "held_out_as_valid": held, "inputs": inputs, "fingerprint": fp,
+        **({"unpaired_tags": unpaired} if unpaired else {}),
         "seconds": round(time.perf_counter() - start, 2),
     }
     # Written last: its presence (with this fingerprint) is what marks the dir as prepared.

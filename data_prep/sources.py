@@ -185,6 +185,20 @@ def _standardize(ds: Dataset, cfg: DataConfig, origin: str) -> Dataset:
                         f"fix the data or the data.*_field names") from None
 
 
+def _standardize_unpaired(ds: Dataset, cfg: DataConfig, origin: str) -> Dataset:
+    """Sentences without headlines (data.source_field, or `text`) as pairs of each sentence with itself."""
+    field = "text" if "text" in ds.column_names and cfg.source_field not in ds.column_names \
+        else _field(ds, cfg.source_field, "source_field", origin)
+    sentences = ds.select_columns([field]).rename_columns({field: "source"} if field != "source" else {})
+    ds = sentences.add_column("target", sentences["source"])
+    ds = ds.add_column("references", [[]] * len(ds)).add_column("tag", [""] * len(ds))
+    try:
+        return ds.cast(FEATURES)
+    except Exception as exc:
+        raise DataError(f"{origin}: field {field!r} cannot be read as text ({type(exc).__name__}): fix the data or "
+                        f"data.source_field") from None
+
+
 def _rush_title(article: Path) -> Path:
     return article.with_name(article.name[: -len(".article.txt")] + ".title.txt")
 
@@ -217,10 +231,10 @@ def load_file(spec: FileSpec, cfg: DataConfig, cache_dir: Path) -> tuple[Dataset
         raw = _load_builder(builder, path, cache_dir)
         filtered = apply_filter(raw, spec)
         rows, kept = len(raw), len(filtered)
-        ds = _standardize(filtered, cfg, str(path))
+        ds = (_standardize_unpaired if spec.unpaired else _standardize)(filtered, cfg, str(path))
     ds, changed = apply_cleaning(ds, spec) if spec.clean or spec.tag else (ds, {})
     info = {"path": str(path), "sha256": sha256(path), "tag": spec.tag, "rows": rows, "kept_by_filter": kept,
-            "cleaned": changed}
+            "cleaned": changed, **({"unpaired": True} if spec.unpaired else {})}
     return ds, info
 
 

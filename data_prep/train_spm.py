@@ -10,7 +10,7 @@ from datasets import Dataset
 
 from summarizer.config import DataConfig
 from summarizer.errors import DataError
-from summarizer.tokenizer import BOS, EOS, PAD, TAG_PIECE, UNK, UNK_WORD
+from summarizer.tokenizer import BOS, EOS, MASK_PIECE, PAD, TAG_PIECE, UNK, UNK_WORD
 
 SPM_SEED = 20240521  # SentencePiece samples and shuffles sentences; a fixed seed makes prep reproducible
 
@@ -21,7 +21,7 @@ def _sentences(train: Dataset) -> Iterator[str]:
         yield from batch["target"]
 
 
-def _train(train: Dataset, cfg: DataConfig, hard_vocab_limit: bool, tags: list[str]) -> bytes:
+def _train(train: Dataset, cfg: DataConfig, hard_vocab_limit: bool, tags: list[str], mask: bool) -> bytes:
     model = io.BytesIO()
     spm.set_random_generator_seed(SPM_SEED)
     spm.SentencePieceTrainer.train(
@@ -34,7 +34,8 @@ def _train(train: Dataset, cfg: DataConfig, hard_vocab_limit: bool, tags: list[s
         pad_piece="<pad>", bos_piece="<s>", eos_piece="</s>",
         # SentencePiece's own unknown piece gets another surface so that Gigaword's `<unk>` word
         # can be a user-defined symbol: always one piece, never split into `<`, `unk`, `>`.
-        unk_piece="<sp_unk>", user_defined_symbols=[UNK_WORD, *(TAG_PIECE.format(t) for t in tags)],
+        unk_piece="<sp_unk>",
+        user_defined_symbols=[UNK_WORD, *(TAG_PIECE.format(t) for t in tags), *([MASK_PIECE] if mask else [])],
         # `#` (masked digits) is script Common and letters are Latin: splitting by script keeps
         # `##` runs from merging with letters, so `##th` is `##` + `th`.
         split_by_unicode_script=True,
@@ -42,21 +43,21 @@ def _train(train: Dataset, cfg: DataConfig, hard_vocab_limit: bool, tags: list[s
     return model.getvalue()
 
 
-def train_spm(train: Dataset, cfg: DataConfig, tags: list[str]) -> tuple[bytes, dict]:
-    """Train on the train split's sources and targets, with one piece per source tag in `tags`; returns the
-    model file's bytes and its meta."""
+def train_spm(train: Dataset, cfg: DataConfig, tags: list[str], mask: bool = False) -> tuple[bytes, dict]:
+    """Train on the train split's sources and targets, with one piece per source tag in `tags` (and the mask
+    piece of denoising examples with `mask`); returns the model file's bytes and its meta."""
     print(f"training SentencePiece ({cfg.spm_model_type}, vocab {cfg.vocab_size}) on "
           f"{2 * len(train)} train sentences", flush=True)
     hard_limit = True
     try:
-        model = _train(train, cfg, hard_vocab_limit=True, tags=tags)
+        model = _train(train, cfg, hard_vocab_limit=True, tags=tags, mask=mask)
     except RuntimeError as exc:
         if "Vocabulary size too high" not in str(exc):
             raise DataError(f"SentencePiece training failed ({exc}): check data.vocab_size and "
                             f"data.spm_* settings against the size of the train split") from None
         # Too little text for the requested size: take what the data supports, and say so.
         hard_limit = False
-        model = _train(train, cfg, hard_vocab_limit=False, tags=tags)
+        model = _train(train, cfg, hard_vocab_limit=False, tags=tags, mask=mask)
     vocab_size = spm.SentencePieceProcessor(model_proto=model).get_piece_size()
     if not hard_limit:
         print(f"note: the train split is too small for data.vocab_size={cfg.vocab_size}; trained with "

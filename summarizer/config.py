@@ -81,6 +81,9 @@ class DataConfig:
     max_target_len: int = key(40, above=0)
     subword_alpha: float = key(0.0, low=0)  # >0: sampled segmentations (subword regularisation), smoothing
     subword_nbest: int = key(8, above=0)  # ...drawn among each word's n best segmentations
+    # denoising examples (data prepared with `unpaired` sources): share of a sentence's words masked, in spans
+    noise_words: float = key(0.3, above=0, below=1)
+    noise_span: float = key(3.0, above=0)  # mean masked span length in words (Poisson)
     batch_tokens: int = key(3000, above=0)  # token budget per micro-batch (padded source + target)
     bucket_size: int = key(1000, above=0)  # batches per length-sorted pool; larger = less padding, less randomness
     pad_multiple: int = key(4, above=0)  # pad batch lengths to a multiple of this: fewer shapes for kernel caches

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from summarizer.tokenizer import BOS, EOS, PAD, TAG_PIECE, UNK, Tokenizer
+from summarizer.tokenizer import BOS, EOS, MASK_PIECE, PAD, TAG_PIECE, UNK, Tokenizer
 
 WORD_START = "\u2581"  # SentencePiece's word-start marker
 UNKNOWN_TEXT = "\u2047"  # an UNK piece's text in a word (how SentencePiece writes it)
@@ -57,7 +57,8 @@ class Lexicon:
         pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
         tag_start, tag_end = TAG_PIECE.split("{}")
         special = {PAD, UNK, BOS, EOS} | {i for i, p in enumerate(pieces) if tokenizer.sp.is_control(i)
-                                          or (p.startswith(tag_start) and p.endswith(tag_end))}  # source tags
+                                          or (p.startswith(tag_start) and p.endswith(tag_end))  # source tags
+                                          or p == MASK_PIECE}  # denoising input only
         self.vocab_size = v = len(pieces)
         self.starts_word = [p.startswith(WORD_START) and i not in special for i, p in enumerate(pieces)]
         self.text = ["" if i in special else p.replace(WORD_START, "") for i, p in enumerate(pieces)]

@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from summarizer.config import DataConfig
+from summarizer.noise import SpanMasker
 from summarizer.prepared import load_split, read_pairs
 from summarizer.runtime import init_worker
 from summarizer.subwords import SegmentationSampler
@@ -22,26 +23,37 @@ class PairDataset(Dataset):
     """
 
     def __init__(self, src: np.ndarray, src_offsets: np.ndarray, tgt: np.ndarray, tgt_offsets: np.ndarray,
-                 max_source_len: int, max_target_len: int, resegment: tuple | None = None):
+                 max_source_len: int, max_target_len: int, resegment: tuple | None = None,
+                 noise: tuple | None = None):
         self.src, self.src_offsets, self.tgt, self.tgt_offsets = src, src_offsets, tgt, tgt_offsets
         self.max_source_len, self.max_target_len = max_source_len, max_target_len
         # (SegmentationSampler, pairs' normalised text): subword regularisation, or None for the ids as prepared
         self.resegment = resegment
+        # (SpanMasker, per pair: is it a denoising example?): unpaired sentences' sources masked, or None
+        self.noise = noise
         # Lengths as the model sees them: truncated source; target plus one BOS/EOS position.
         self.src_lens = np.minimum(np.diff(src_offsets), max_source_len).astype(np.int64)
         self.tgt_lens = np.minimum(np.diff(tgt_offsets), max_target_len).astype(np.int64) + 1
+        if noise is not None:  # a denoising example's source is cut where its target is (SpanMasker.pair)
+            masker, flags = noise
+            self.src_lens[flags] = np.minimum(self.src_lens[flags], masker.keep + self.tgt_lens[flags] - 1)
 
     @classmethod
     def from_dir(cls, data_dir: str | Path, split: str, cfg: DataConfig, limit: int = 0,
-                 sampler: SegmentationSampler | None = None) -> PairDataset:
-        """A prepared split; with a `sampler`, pairs are re-segmented from their text at every epoch."""
+                 sampler: SegmentationSampler | None = None, masker: SpanMasker | None = None,
+                 noised: tuple = ()) -> PairDataset:
+        """A prepared split; with a `sampler`, pairs are re-segmented from their text at every epoch; with a
+        `masker`, the sources of pairs tagged with one of `noised` are masked anew at every epoch."""
         src, src_offsets, tgt, tgt_offsets = load_split(data_dir, split)
         if limit > 0:  # the first `limit` pairs: offsets are cut, the flat arrays stay mapped as they are
             src_offsets, tgt_offsets = src_offsets[:limit + 1], tgt_offsets[:limit + 1]
         texts = [(p["source"], p["target"]) for p in read_pairs(data_dir, split)[:len(src_offsets) - 1]] \
             if sampler is not None else None
+        flags = np.array([p.get("tag", "") in noised for p in read_pairs(data_dir, split)[:len(src_offsets) - 1]]) \
+            if masker is not None else None
         return cls(src, src_offsets, tgt, tgt_offsets, cfg.max_source_len, cfg.max_target_len,
-                   (sampler, texts) if sampler is not None else None)
+                   (sampler, texts) if sampler is not None else None,
+                   (masker, flags) if masker is not None and flags.any() else None)
 
     def __len__(self) -> int:
         return len(self.src_lens)
@@ -53,13 +65,19 @@ class PairDataset(Dataset):
 
     def __getitems__(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         # DataLoader's batched fetch path: one call per batch instead of one per pair.
-        if self.resegment is None:
-            return [self[i] for i in indices]
-        sampler, texts = self.resegment
         epoch = getattr(indices, "epoch", 0)
-        pairs = (sampler.pair(*texts[i], epoch, i) for i in indices)
-        return [(np.asarray(s[:self.max_source_len], dtype=np.int64),
-                 np.asarray(t[:self.max_target_len], dtype=np.int64)) for s, t in pairs]
+        if self.resegment is None:
+            pairs = [self[i] for i in indices]
+        else:
+            sampler, texts = self.resegment
+            pairs = [(np.asarray(s[:self.max_source_len], dtype=np.int64),
+                      np.asarray(t[:self.max_target_len], dtype=np.int64))
+                     for s, t in (sampler.pair(*texts[i], epoch, i) for i in indices)]
+        if self.noise is not None:
+            masker, flags = self.noise
+            pairs = [masker.pair(s, t, epoch, i, self.max_target_len) if flags[i] else (s, t)
+                     for i, (s, t) in zip(indices, pairs, strict=True)]
+        return pairs
 
 
 def round_up(n, multiple: int):

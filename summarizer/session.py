@@ -16,6 +16,7 @@ from summarizer.config import Config, save_config, to_dict
 from summarizer.data import PairDataset, TokenBatchSampler, make_loader
 from summarizer.model import Seq2Seq, count_parameters
 from summarizer.monitor import Monitor, read_manifest, write_manifest
+from summarizer.noise import SpanMasker, word_starts
 from summarizer.optim import build_optimizer, build_scheduler
 from summarizer.outputs import claim_dir, claim_events_dir, hold_lock
 from summarizer.placement import place_model
@@ -165,7 +166,11 @@ def open_session(cfg: Config) -> Session:
         model = torch.compile(model)
     resample = SegmentationSampler(tokenizer, cfg.data.subword_alpha, cfg.data.subword_nbest, cfg.train.seed) \
         if cfg.data.subword_alpha > 0 else None
-    train_ds = PairDataset.from_dir(cfg.data.dir, "train", cfg.data, limit=cfg.data.train_limit, sampler=resample)
+    noised = tuple(meta.get("unpaired_tags", ()))
+    masker = SpanMasker(word_starts(tokenizer), tokenizer.mask_id(), cfg.data.noise_words, cfg.data.noise_span,
+                        cfg.train.seed, keep=1 if meta["normalization"].get("source_tag") else 0) if noised else None
+    train_ds = PairDataset.from_dir(cfg.data.dir, "train", cfg.data, limit=cfg.data.train_limit, sampler=resample,
+                                    masker=masker, noised=noised)
     sampler = TokenBatchSampler(train_ds.src_lens, train_ds.tgt_lens, cfg.data.batch_tokens, cfg.data.bucket_size,
                                 shuffle=True, seed=cfg.train.seed, rank=rt.rank, world_size=rt.world_size,
                                 pad_multiple=cfg.data.pad_multiple,

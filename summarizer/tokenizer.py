@@ -14,6 +14,8 @@ PAD, UNK, BOS, EOS = 0, 1, 2, 3
 UNK_WORD = "<unk>"
 # The piece of a source tag (data.source_tag): one user-defined piece per tag, first on the encoder input.
 TAG_PIECE = "<tag:{}>"
+# Stands for a masked span of words in the encoder input of a denoising example (summarizer/noise.py).
+MASK_PIECE = "<mask>"
 
 # Gigaword writes the unknown word `<unk>` in train/valid but `UNK` in its test set
 # (https://github.com/harvardnlp/sent-summary); only a whole-word UNK is that token.
@@ -81,6 +83,12 @@ class Tokenizer:
         if self.sp.piece_to_id(piece) == self.sp.unk_id():
             raise DataError(f"{self.path} has no piece {piece}: the data was prepared without that source tag")
         return self.sp.piece_to_id(piece)
+
+    def mask_id(self) -> int:
+        """The id of the mask piece, which data with unpaired sentences is prepared with."""
+        if self.sp.piece_to_id(MASK_PIECE) == self.sp.unk_id():
+            raise DataError(f"{self.path} has no piece {MASK_PIECE}: the data was prepared without unpaired sentences")
+        return self.sp.piece_to_id(MASK_PIECE)
 
     def encode_raw(self, text: str, normalization: dict) -> list[int]:
         """Raw text (as a user types it) -> ids, normalised as the training data was (meta.json's `normalization`),

@@ -433,3 +433,48 @@ def test_source_tags_put_each_pairs_tag_piece_first_and_untagged_text_gets_the_a
     with pytest.raises(DataError, match=r"data.source_tag='sport' is not the tag of any data.source entry "
                                         r"\(tags: news, wire\)"):
         prepare(cfg)
+
+
+def test_unpaired_sentences_become_pairs_with_themselves_tagged_and_never_held_out(tmp_path):
+    """An `unpaired` entry reads sentences (its `text` field) as pairs of each sentence with itself, under its
+    tag; meta.json names its tags, the tokenizer gets the mask piece, and valid is held out of pairs only."""
+    from data_prep import prepare
+    from summarizer.constraints import Lexicon
+    from summarizer.tokenizer import Tokenizer
+    days = ("monday", "tuesday", "sunday", "friday")
+    news = _write_jsonl(tmp_path / "news.jsonl", [{"source": f"the mayor opened a new park on {day} .",
+                                                   "target": "mayor opens park"} for day in days])
+    text = _write_jsonl(tmp_path / "text.jsonl", [{"id": str(i), "text": f"Oil prices rose on {day} ."}
+                                                  for i, day in enumerate(days)])
+    cfg = data_config(tmp_path / "out", "data.splits={train: [train]}", "data.vocab_size=60", "data.valid_holdout=2",
+                      "data.source_tag=news", "data.lowercase=true")
+    cfg.source = {"train": [{"path": str(news), "tag": "news"}, {"path": str(text), "unpaired": True, "tag": "text"}]}
+    meta = prepare(cfg)
+    assert meta["unpaired_tags"] == ["text"]
+    assert meta["splits"]["train"]["pairs_by_tag"] == {"news": 2, "text": 4} and meta["splits"]["valid"]["pairs"] == 2
+    pairs = [json.loads(line) for line in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
+    assert {(p["source"], p["target"]) for p in pairs if p["tag"] == "text"} == {
+        (f"oil prices rose on {day} .",) * 2 for day in days}
+    valid = (tmp_path / "out" / "valid.jsonl").read_text().splitlines()
+    assert all(json.loads(line)["tag"] == "news" for line in valid)
+    tok = Tokenizer(tmp_path / "out" / "spm.model")
+    assert tok.sp.id_to_piece(tok.mask_id()) == "<mask>"
+    assert not Lexicon(tok, ["park"]).text[tok.mask_id()]  # never a word decoding could write
+    headline_only = data_config(tmp_path / "plain", "data.splits={train: [train]}", "data.vocab_size=60")
+    headline_only.source = {"train": [str(news)]}
+    prepare(headline_only)
+    with pytest.raises(DataError, match="prepared without unpaired sentences"):
+        Tokenizer(tmp_path / "plain" / "spm.model").mask_id()
+    cfg.source["train"][0]["tag"], cfg.rebuild = "text", True
+    with pytest.raises(ConfigError, match="tag.s. text name both headline pairs and unpaired sentences"):
+        prepare(cfg)
+
+
+@pytest.mark.parametrize("split, entry, message", [
+    ("train", {"path": "X", "unpaired": True}, "needs a tag"),
+    ("valid", {"path": "X", "unpaired": True, "tag": "t"}, "must be a train entry"),
+    ("train", {"path": "X", "unpaired": "yes", "tag": "t"}, "must be true or false")])
+def test_unpaired_entries_are_tagged_train_entries(split, entry, message):
+    from data_prep.mix import parse_entry
+    with pytest.raises(ConfigError, match=message):
+        parse_entry(entry, split)

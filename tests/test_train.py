@@ -387,3 +387,28 @@ def test_a_nan_gradient_is_traced_to_its_module_in_backward():
     where = first_nonfinite(model, [batch], rt, Config().train)
     assert where == "encoder_layers.0 (backward: the gradient of its output)"
     assert all(p.grad is None for p in model.parameters())  # nothing left behind for the optimizer
+
+
+def test_denoising_examples_are_masked_in_training_and_resume_exactly(tmp_path, monkeypatch):
+    """Unpaired sentences in the train split: their sources reach the model masked (and only theirs), drawn per
+    (seed, epoch, pair), so a run resumed from a checkpoint logs the losses of an uninterrupted one."""
+    from data_prep import prepare
+    from summarizer import noise
+    records = [json.loads(line) for line in (ROOT / "tests/assets/tiny/train.jsonl").read_text().splitlines()]
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": r["source"]}) + "\n" for r in records[:150]))
+    data = load_config(ROOT / "configs/tiny.yaml", [f"data.dir={tmp_path / 'data'}", "data.source_tag=tiny"]).data
+    data.source = {split: [{"path": str(ROOT / f"tests/assets/tiny/{split}.jsonl"), "tag": "tiny"}]
+                   for split in ("train", "valid", "test")}
+    data.source["train"].append({"path": str(text), "unpaired": True, "tag": "text"})
+    assert prepare(data)["unpaired_tags"] == ["text"]
+    masked = []
+    real = noise.SpanMasker.pair
+    monkeypatch.setattr(noise.SpanMasker, "pair", lambda self, *a: masked.append(a[3]) or real(self, *a))
+    extra = [f"data.source={json.dumps(data.source)}", "data.source_tag=tiny", "data.source_weights={text: 0.5}",
+             "train.eval_every=10", "train.ckpt_every=10"]
+    train_mod.train(make_cfg(tmp_path / "data", tmp_path / "ref", *extra, "train.max_steps=20"))
+    assert masked and all(i >= 300 for i in masked)  # the 150 sentences follow the 300 pairs
+    train_mod.train(make_cfg(tmp_path / "data", tmp_path / "resumed", *extra, "train.max_steps=10"))
+    train_mod.train(make_cfg(tmp_path / "data", tmp_path / "resumed", *extra, "train.max_steps=20"))
+    assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "ref")
