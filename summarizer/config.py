@@ -112,6 +112,9 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     seed: int = 1234
+    # a checkpoint (best.pt or ckpt_*.pt of a run on the same prepared data) whose weights a new run starts from,
+    # with a fresh optimizer and schedule (fine-tuning after a pre-training stage); a resumed run ignores it
+    init_from: str = key("", resume=True)
     deterministic: bool = key(False, resume=True)  # torch.use_deterministic_algorithms
     device: str = key("auto", resume=True)  # auto | cpu | cuda | cuda:N
     flush_denormal: bool = key(True, resume=True)  # CPU: denormal floats as zero (FTZ/DAZ): no slow path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader
 from summarizer import checkpoint, runtime, spikes
 from summarizer.config import Config, save_config, to_dict
 from summarizer.data import PairDataset, TokenBatchSampler, make_loader
+from summarizer.errors import ConfigError
 from summarizer.model import Seq2Seq, count_parameters
 from summarizer.monitor import Monitor, read_manifest, write_manifest
 from summarizer.noise import SpanMasker, word_starts
@@ -44,10 +46,13 @@ def batches_forever(loader, sampler: TokenBatchSampler, epoch: int, position: in
         epoch, position = epoch + 1, 0
 
 
-def build(cfg: Config, rt: Runtime, meta: dict, state: dict | None = None):
+def build(cfg: Config, rt: Runtime, meta: dict, state: dict | None = None, init: dict | None = None):
     """Model, optimizer and scaler, placed on their devices (not yet DDP-wrapped), with a checkpoint's
-    `state` restored if given: the model is then built from the checkpoint's own config."""
+    `state` restored if given: the model is then built from the checkpoint's own config. Otherwise a new
+    model, with the weights `init` (train.init_from's) if given."""
     model = checkpoint.restore_model(state) if state else Seq2Seq(cfg.model, meta["vocab_size"])
+    if state is None and init is not None:
+        model.load_state_dict(init)
     model = place_model(model, rt, cfg.placement.pipeline_chunks)
     optimizer, scaler = build_optimizer(model, cfg.train), runtime.make_scaler(rt)
     if state:
@@ -88,6 +93,26 @@ def resume_state(cfg: Config, meta: dict) -> tuple[dict | None, list[dict]]:
         print(f"resuming at step {state['step']} with changed settings: " + ", ".join(
             f"{c['key']} {c['old']!r} -> {c['new']!r}" for c in changes), file=sys.stderr)
     return state, changes
+
+
+def initial_weights(cfg: Config, meta: dict) -> dict | None:
+    """train.init_from's weights for a new run: a checkpoint trained on the same tokenizer, with the parameters
+    of cfg.model (dropout and other settings without parameters may differ); None when it is unset."""
+    path = cfg.train.init_from
+    if not path:
+        return None
+    if not Path(path).is_file():
+        raise ConfigError(f"train.init_from={path} does not exist: name a checkpoint (a run's best.pt or ckpt_*.pt)")
+    state = checkpoint.require_model(checkpoint.load(path), path)
+    checkpoint.check_tokenizer(state["data_meta"], meta, f"train.init_from={path}")
+    want = Seq2Seq(cfg.model, meta["vocab_size"]).state_dict()
+    have = state["model"]
+    shapes = [k for k in sorted(set(want) | set(have))
+              if k not in want or k not in have or want[k].shape != have[k].shape]
+    if shapes:
+        raise ConfigError(f"train.init_from={path} holds another model than this run's model.* settings (first "
+                          f"differences: {', '.join(shapes[:4])}): set model.* as that run had them (its config.yaml)")
+    return have
 
 
 def snapshot(cfg: Config, meta: dict, model, optimizer, scaler, ema, progress: dict) -> dict:
@@ -153,7 +178,7 @@ def open_session(cfg: Config) -> Session:
         lock = hold_lock(cfg.run_dir, "run.dir")  # held until the run's process ends: one run per run dir
         claim_events_dir(cfg.tensorboard_dir, cfg.run_dir)
     state, changes = resume_state(cfg, meta)
-    model, optimizer, scaler = build(cfg, rt, meta, state)
+    model, optimizer, scaler = build(cfg, rt, meta, state, initial_weights(cfg, meta) if state is None else None)
     ema = build_ema(model, cfg.train.ema_decay, state, cfg.train.max_steps)
     progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
     if state is not None:

@@ -412,3 +412,31 @@ def test_denoising_examples_are_masked_in_training_and_resume_exactly(tmp_path, 
     train_mod.train(make_cfg(tmp_path / "data", tmp_path / "resumed", *extra, "train.max_steps=10"))
     train_mod.train(make_cfg(tmp_path / "data", tmp_path / "resumed", *extra, "train.max_steps=20"))
     assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "ref")
+
+
+def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_fresh_optimizer(tiny_data, tmp_path):
+    """train.init_from: a new run's model starts as the checkpoint's (dropout may differ), its optimizer and
+    schedule from step 0; a resumed run ignores it; another model or a missing file is refused by name."""
+    from summarizer import checkpoint
+    from summarizer.session import initial_weights
+    train_mod.train(make_cfg(tiny_data, tmp_path / "pre", "train.max_steps=20", "train.ema_decay=0"))
+    pre = tmp_path / "pre" / "ckpt_00000020.pt"
+    extra = [f"train.init_from={pre}", "train.max_steps=5", "train.log_every=1", "train.lr=1e-9", "train.ema_decay=0"]
+    train_mod.train(make_cfg(tiny_data, tmp_path / "tuned", *extra, "model.dropout=0.3"))
+    train_mod.train(make_cfg(tiny_data, tmp_path / "fresh", *extra[1:]))
+    tuned, fresh = train_losses(tmp_path / "tuned"), train_losses(tmp_path / "fresh")
+    assert [s for s, _ in tuned] == [1, 2, 3, 4, 5]  # its own steps, from 0
+    assert tuned[0][1] < fresh[0][1] - 0.5  # it starts where the checkpoint was
+    state = checkpoint.load(tmp_path / "tuned" / "ckpt_00000005.pt")
+    assert state["optimizer"]["state"][0]["step"].item() == 5  # a fresh AdamW: its own five steps
+    weights = checkpoint.load(pre)["model"]
+    assert all(torch.allclose(state["model"][k].float(), v.float(), atol=1e-5) for k, v in weights.items())
+    # Resumed, the run goes on from its own checkpoint (another init_from, even a missing one, is not read).
+    train_mod.train(make_cfg(tiny_data, tmp_path / "tuned", *extra[1:], "train.init_from=/nowhere.pt",
+                             "model.dropout=0.3", "train.max_steps=6"))
+    assert [s for s, _ in train_losses(tmp_path / "tuned")] == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(ConfigError, match="does not exist"):
+        initial_weights(make_cfg(tiny_data, tmp_path / "x", "train.init_from=/nowhere.pt"), {"vocab_size": 1})
+    meta = json.loads((tiny_data / "meta.json").read_text())
+    with pytest.raises(ConfigError, match=r"another model than this run's model.\* settings"):
+        initial_weights(make_cfg(tiny_data, tmp_path / "x", f"train.init_from={pre}", "model.ffn_dim=48"), meta)
