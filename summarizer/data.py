@@ -27,7 +27,8 @@ class PairDataset(Dataset):
                  noise: tuple | None = None):
         self.src, self.src_offsets, self.tgt, self.tgt_offsets = src, src_offsets, tgt, tgt_offsets
         self.max_source_len, self.max_target_len = max_source_len, max_target_len
-        # (SegmentationSampler, pairs' normalised text): subword regularisation, or None for the ids as prepared
+        # (SegmentationSampler, pairs' normalised text, each source's tag piece or None): subword regularisation,
+        # or None for the ids as prepared
         self.resegment = resegment
         # (SpanMasker, per pair: is it a denoising example?): unpaired sentences' sources masked, or None
         self.noise = noise
@@ -49,10 +50,12 @@ class PairDataset(Dataset):
             src_offsets, tgt_offsets = src_offsets[:limit + 1], tgt_offsets[:limit + 1]
         texts = [(p["source"], p["target"]) for p in read_pairs(data_dir, split)[:len(src_offsets) - 1]] \
             if sampler is not None else None
+        # With source tags, each source's first prepared piece is its tag's, which resegmented text lacks.
+        heads = src[src_offsets[:-1]].astype(np.int64) if sampler is not None and cfg.source_tag else None
         flags = np.array([p.get("tag", "") in noised for p in read_pairs(data_dir, split)[:len(src_offsets) - 1]]) \
             if masker is not None else None
         return cls(src, src_offsets, tgt, tgt_offsets, cfg.max_source_len, cfg.max_target_len,
-                   (sampler, texts) if sampler is not None else None,
+                   (sampler, texts, heads) if sampler is not None else None,
                    (masker, flags) if masker is not None and flags.any() else None)
 
     def __len__(self) -> int:
@@ -69,10 +72,10 @@ class PairDataset(Dataset):
         if self.resegment is None:
             pairs = [self[i] for i in indices]
         else:
-            sampler, texts = self.resegment
-            pairs = [(np.asarray(s[:self.max_source_len], dtype=np.int64),
+            sampler, texts, heads = self.resegment
+            pairs = [(np.asarray(([heads[i]] if heads is not None else []) + s, dtype=np.int64)[:self.max_source_len],
                       np.asarray(t[:self.max_target_len], dtype=np.int64))
-                     for s, t in (sampler.pair(*texts[i], epoch, i) for i in indices)]
+                     for i, (s, t) in ((i, sampler.pair(*texts[i], epoch, i)) for i in indices)]
         if self.noise is not None:
             masker, flags = self.noise
             pairs = [masker.pair(s, t, epoch, i, self.max_target_len) if flags[i] else (s, t)

@@ -49,3 +49,21 @@ def test_dataset_resegments_each_epoch_and_a_large_alpha_gives_the_prepared_ids(
     for (s, t), (ps, pt) in zip(resegmented.__getitems__(batch), plain.__getitems__(batch), strict=True):
         assert np.array_equal(s, ps) and np.array_equal(t, pt)  # alpha -> inf: always the best segmentation
     assert len(read_pairs(tiny_prepared, "train")) == len(resegmented)
+
+
+def test_resegmented_sources_keep_their_source_tag_piece_first(tmp_path):
+    """With data.source_tag, a prepared source starts with its tag's piece; a resegmented one must too."""
+    from data_prep import prepare
+    from tests.conftest import ASSETS, data_config
+    cfg = data_config(tmp_path, "data.vocab_size=150", "data.source_tag=tiny")
+    cfg.source = {split: [{"path": str(ASSETS / f"tiny/{split}.jsonl"), "tag": "tiny"}]
+                  for split in ("train", "valid", "test")}
+    prepare(cfg)
+    cfg.max_source_len = 96
+    tag = open_tokenizer(tmp_path).tag_id("tiny")
+    plain = PairDataset.from_dir(tmp_path, "train", cfg)
+    sharp = SegmentationSampler(open_tokenizer(tmp_path), alpha=1000.0, nbest=4, seed=0)
+    resegmented = PairDataset.from_dir(tmp_path, "train", cfg, sampler=sharp)
+    batch = EpochBatch([0, 5, 9], epoch=2)
+    for (s, t), (ps, pt) in zip(resegmented.__getitems__(batch), plain.__getitems__(batch), strict=True):
+        assert s[0] == tag and np.array_equal(s, ps) and np.array_equal(t, pt)
