@@ -48,12 +48,12 @@ class PairDataset(Dataset):
         src, src_offsets, tgt, tgt_offsets = load_split(data_dir, split)
         if limit > 0:  # the first `limit` pairs: offsets are cut, the flat arrays stay mapped as they are
             src_offsets, tgt_offsets = src_offsets[:limit + 1], tgt_offsets[:limit + 1]
-        texts = [(p["source"], p["target"]) for p in read_pairs(data_dir, split)[:len(src_offsets) - 1]] \
-            if sampler is not None else None
+        wanted = sampler is not None or masker is not None
+        records = read_pairs(data_dir, split)[:len(src_offsets) - 1] if wanted else []
+        texts = [(p["source"], p["target"]) for p in records] if sampler is not None else None
         # With source tags, each source's first prepared piece is its tag's, which resegmented text lacks.
         heads = src[src_offsets[:-1]].astype(np.int64) if sampler is not None and cfg.source_tag else None
-        flags = np.array([p.get("tag", "") in noised for p in read_pairs(data_dir, split)[:len(src_offsets) - 1]]) \
-            if masker is not None else None
+        flags = np.array([p.get("tag", "") in noised for p in records], dtype=bool) if masker is not None else None
         return cls(src, src_offsets, tgt, tgt_offsets, cfg.max_source_len, cfg.max_target_len,
                    (sampler, texts, heads) if sampler is not None else None,
                    (masker, flags) if masker is not None and flags.any() else None)
