@@ -343,11 +343,28 @@ def read_yaml(path: Path) -> dict:
     return data
 
 
+def config_chain(path: Path) -> list[dict]:
+    """A config file's sections after those of the file its `extends:` names (a path relative to it), and so
+    on up: the layers to merge over the defaults, in order."""
+    chain, seen = [], []
+    while path is not None:
+        if path.resolve() in seen:
+            raise ConfigError(f"config {seen[0]} extends itself through {path}: remove one `extends:`")
+        seen.append(path.resolve())
+        data = read_yaml(path)
+        parent = data.pop("extends", None)
+        if parent is not None and not isinstance(parent, str):
+            raise ConfigError(f"config file {path}: `extends:` names one config file, got {parent!r}")
+        chain.insert(0, data)
+        path = path.parent / parent if parent else None
+    return chain
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
     """Defaults, then the YAML file, then each override in order; validated."""
     cfg = Config()
-    if path:
-        _merge(cfg, read_yaml(Path(path)))
+    for layer in config_chain(Path(path)) if path else []:
+        _merge(cfg, layer)
     for text in overrides:
         _merge(cfg, parse_override(text, cfg))
     from summarizer.config_checks import validate  # it reads this module's rules: imported once both exist

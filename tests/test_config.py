@@ -67,15 +67,17 @@ def test_base_yaml_is_exactly_the_code_defaults():
 
 def test_other_configs_override_only_what_differs_from_the_recipe():
     from pathlib import Path
-    defaults = to_dict(load_config(None))
     for path in sorted(Path("configs").glob("*.yaml")):
         if path.name == "base.yaml":
             continue
         loaded = to_dict(load_config(path))
-        for section, values in yaml.safe_load(path.read_text()).items():
+        own = yaml.safe_load(path.read_text())
+        parent = own.pop("extends", None)  # a config that extends another overrides only what differs from it
+        below = to_dict(load_config(path.parent / parent if parent else None))
+        for section, values in own.items():
             for key in values:
-                assert loaded[section][key] != defaults[section][key], \
-                    f"{path}: {section}.{key} repeats the recipe's value {defaults[section][key]!r}; drop it"
+                assert loaded[section][key] != below[section][key], \
+                    f"{path}: {section}.{key} repeats the value {below[section][key]!r} it would have; drop it"
 
 
 def test_every_shipped_config_loads_and_base_documents_every_key():
@@ -104,3 +106,20 @@ def test_each_keys_rules_live_beside_its_field_and_every_reader_uses_them():
     assert may_change("eval.beam_size") and may_change("run.name")  # sections that only say how to evaluate, names
     assert ignored("run.dir") and ignored("data.dir") and ignored("eval.checkpoint") and ignored("bench.repeats")
     assert not ignored("train.lr") and not ignored("data.vocab_size") and not ignored("train.gone_key")
+
+
+def test_a_config_extends_another_and_overrides_it(tmp_path):
+    (tmp_path / "a.yaml").write_text("run: {name: a}\ntrain: {seed: 7, max_steps: 5}\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.yaml").write_text("extends: ../a.yaml\ntrain: {max_steps: 9}\n")
+    cfg = load_config(tmp_path / "sub" / "b.yaml", ["run.name=c"])
+    assert (cfg.run.name, cfg.train.seed, cfg.train.max_steps) == ("c", 7, 9)  # file, its parent, then overrides
+    (tmp_path / "a.yaml").write_text("extends: sub/b.yaml\n")
+    with pytest.raises(ConfigError, match="extends itself"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "a.yaml").write_text("extends: [x.yaml]\n")
+    with pytest.raises(ConfigError, match="names one config file"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "a.yaml").write_text("extends: missing.yaml\n")
+    with pytest.raises(ConfigError, match="missing.yaml does not exist"):
+        load_config(tmp_path / "a.yaml")
