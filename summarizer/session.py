@@ -102,7 +102,9 @@ def initial_weights(cfg: Config, meta: dict) -> dict | None:
     if not path:
         return None
     if not Path(path).is_file():
-        raise ConfigError(f"train.init_from={path} does not exist: name a checkpoint (a run's best.pt or ckpt_*.pt)")
+        raise ConfigError(f"train.init_from={path} does not exist: train the run that writes it first (a config's "
+                          f"header names its stages, e.g. configs/pretrain.yaml before configs/denoise.yaml), or name "
+                          f"another checkpoint (a run's best.pt or ckpt_*.pt)")
     state = checkpoint.require_model(checkpoint.load(path), path)
     checkpoint.check_tokenizer(state["data_meta"], meta, f"train.init_from={path}")
     want = Seq2Seq(cfg.model, meta["vocab_size"]).state_dict()
@@ -172,13 +174,17 @@ def open_session(cfg: Config) -> Session:
     runtime.seed_everything(cfg.train.seed, cfg.train.deterministic)
     meta, tokenizer = read_meta(cfg.data.dir), open_tokenizer(cfg.data.dir)
     check_data_settings(cfg.data, meta)
+    # train.init_from of a new run is checked before its run dir is claimed: a wrong path leaves nothing behind
+    init = initial_weights(cfg, meta) if checkpoint.latest_path(cfg.run_dir) is None else None
     lock = None
     if rt.is_main:
         claim_dir(cfg.run_dir, "run", "run.dir", legacy=RUN_FILES, also=("overfit",))
         lock = hold_lock(cfg.run_dir, "run.dir")  # held until the run's process ends: one run per run dir
         claim_events_dir(cfg.tensorboard_dir, cfg.run_dir)
     state, changes = resume_state(cfg, meta)
-    model, optimizer, scaler = build(cfg, rt, meta, state, initial_weights(cfg, meta) if state is None else None)
+    if state is None and init is None:  # checkpoints there, none readable: a new run after all
+        init = initial_weights(cfg, meta)
+    model, optimizer, scaler = build(cfg, rt, meta, state, init if state is None else None)
     ema = build_ema(model, cfg.train.ema_decay, state, cfg.train.max_steps)
     progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
     if state is not None:

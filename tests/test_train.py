@@ -435,8 +435,9 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_fresh_opti
     train_mod.train(make_cfg(tiny_data, tmp_path / "tuned", *extra[1:], "train.init_from=/nowhere.pt",
                              "model.dropout=0.3", "train.max_steps=6"))
     assert [s for s, _ in train_losses(tmp_path / "tuned")] == [1, 2, 3, 4, 5, 6]
-    with pytest.raises(ConfigError, match="does not exist"):
-        initial_weights(make_cfg(tiny_data, tmp_path / "x", "train.init_from=/nowhere.pt"), {"vocab_size": 1})
+    with pytest.raises(ConfigError, match="does not exist: train the run that writes it first"):
+        train_mod.train(make_cfg(tiny_data, tmp_path / "x", "train.init_from=/nowhere.pt"))
+    assert not (tmp_path / "x").exists()  # refused before the run dir was claimed
     meta = json.loads((tiny_data / "meta.json").read_text())
     with pytest.raises(ConfigError, match=r"another model than this run's model.\* settings"):
         initial_weights(make_cfg(tiny_data, tmp_path / "x", f"train.init_from={pre}", "model.ffn_dim=48"), meta)
