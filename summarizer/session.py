@@ -184,7 +184,7 @@ def open_session(cfg: Config) -> Session:
     state, changes = resume_state(cfg, meta)
     if state is None and init is None:  # checkpoints there, none readable: a new run after all
         init = initial_weights(cfg, meta)
-    model, optimizer, scaler = build(cfg, rt, meta, state, init if state is None else None)
+    model, optimizer, scaler = build(cfg, rt, meta, state, init)
     ema = build_ema(model, cfg.train.ema_decay, state, cfg.train.max_steps)
     progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
     if state is not None:
