@@ -17,7 +17,7 @@ from summarizer.outputs import claim_dir, refuse_overlap, write_together
 from summarizer.pairs import read_pairs_file
 from summarizer.placement import place_model
 from summarizer.prepared import lexicon, load_split, open_tokenizer, read_meta, read_pairs, training_words
-from summarizer.quantize import decoding_precision, quantize_int8, resolve_quantize
+from summarizer.quantize import decoding_form, decoding_precision, resolve_quantize
 from summarizer.readable import readable
 from summarizer.runtime import Runtime
 from summarizer.scoring import quality, rouge_report, truncate_bytes, words
@@ -37,9 +37,8 @@ def load_model(path: str | Path, rt: Runtime, meta: dict, quantize: str = "none"
         raise CheckpointError(f"{exc}. Checkpoints of the same run that could replace it: "
                               f"{', '.join(str(p) for p in others)}; use one with eval.checkpoint=PATH") from None
     checkpoint.check_tokenizer(state["data_meta"], meta, f"checkpoint {path}")
-    model, quantize = checkpoint.restore_model(state), resolve_quantize(quantize, rt)
-    if quantize == "int8":
-        model = quantize_int8(model, rt.device)
+    quantize = resolve_quantize(quantize, rt)
+    model = decoding_form(checkpoint.restore_model(state), rt, quantize)
     return place_model(model, rt).eval(), {"path": str(path), "step": state["step"], "quantize": quantize}
 
 

@@ -251,7 +251,10 @@ class Seq2Seq(nn.Module):
         state.memory_kv = [(k.contiguous(), v.contiguous()) for k, v in state.memory_kv]
         state.self_kv = [None] * len(self.decoder_layers)
         if self.vocab_projection is None:
-            state.output_weight = self.embedding.weight.t().contiguous()
+            weight = self.embedding.weight  # cast here, once, as autocast would at every step
+            if torch.is_autocast_enabled(weight.device.type):
+                weight = weight.to(torch.get_autocast_dtype(weight.device.type))
+            state.output_weight = weight.t().contiguous()
         return state
 
     def _memory_state(self, memory: Tensor, src_ids: Tensor, group: int = 1) -> DecodeState:

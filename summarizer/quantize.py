@@ -1,4 +1,5 @@
-"""Dynamic int8 quantization of a trained model for CPU decoding (eval.quantize=int8).
+"""The form a trained model decodes in: dynamic int8 linear layers for CPU decoding in fp32
+(eval.quantize=int8), or linear layers stored in 16 bit where decoding computes in 16 bit.
 
 Every linear layer, and the output projection onto the vocabulary (tied to the embedding, so given
 its own int8 copy here), computes with int8 weights and activations quantized on the fly
@@ -41,6 +42,21 @@ def decoding_precision(cfg: Config) -> str:
         raise ConfigError(f"eval.quantize=int8 computes in float32 and cannot decode in eval.precision={e.precision}; "
                           f"choose one: eval.quantize=none for {e.precision}, or eval.precision=auto|fp32 for int8")
     return "fp32"
+
+
+def decoding_form(model: Seq2Seq, rt: Runtime, quantize: str) -> nn.Module:
+    """`model` as decoding runs it: int8 linear layers (`quantize`, resolved), or, where decoding computes
+    in 16 bit (rt.precision), every linear layer's weights stored in that dtype, in place. Autocast keeps
+    no casts under torch.inference_mode, where decoding runs, so float32 weights would be cast again at
+    every step (twenty-odd casts a step for the recipe's decoder); cast once, the numbers are the same.
+    Embedding and norms stay float32, as autocast computes them."""
+    if quantize == "int8":
+        return quantize_int8(model, rt.device)
+    if rt.precision != "fp32":
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.to(rt.dtype)
+    return model
 
 
 def quantize_int8(model: Seq2Seq, device: torch.device) -> nn.Module:

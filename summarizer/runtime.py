@@ -45,14 +45,18 @@ class Runtime:
 
     sdpa_backend: str = "auto"
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype matrix products compute in (autocast's, in 16 bit)."""
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
+
     def compute(self) -> contextlib.ExitStack:
         """The context every forward pass runs in: autocast to the run's precision (matmuls in 16 bit,
         reductions and norms kept in fp32 by torch.amp) and the attention kernel choice."""
         stack = contextlib.ExitStack()
         if self.precision != "fp32":
-            dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
             for device_type in {self.device.type, self.decoder_device.type}:
-                stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype))
+                stack.enter_context(torch.autocast(device_type=device_type, dtype=self.dtype))
         backend = self.sdpa_backend
         if backend == "auto":
             # At sentence lengths on CPU, attention written out as two batched matmuls beats every

@@ -351,3 +351,44 @@ def test_word_rules_allow_exactly_what_their_definition_allows(lexicon_and_model
                 keep = list(range(group, len(hyps)))
                 rules.select(keep, list(range(1, len(alive))))
                 alive, hyps = alive[1:], hyps[group:]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_16_bit_decoding_form_casts_once_and_changes_nothing(model, sources, precision):
+    """Autocast keeps no weight casts under inference_mode: the decoding form stores the linear layers in
+    16 bit once, and the output projection is cast once per batch. Same log-probabilities, same outputs as
+    float32 weights cast by autocast at every step, and no weight is cast during a step."""
+    import copy
+
+    from torch.profiler import profile
+
+    from summarizer.quantize import decoding_form
+    from summarizer.runtime import Runtime
+    cpu = torch.device("cpu")
+    rt = Runtime(device=cpu, decoder_device=cpu, precision=precision)
+    cast = decoding_form(copy.deepcopy(model), rt, "none")
+    assert {p.dtype for n, p in cast.named_parameters() if "norm" not in n and "embedding" not in n} == {rt.dtype}
+    assert cast.embedding.weight.dtype == torch.float32
+    prefix = torch.randint(4, 40, (sources.shape[0], 5))
+    with torch.inference_mode(), rt.compute():
+        state = cast.start_decoding(cast.encode(sources), sources)
+        assert state.output_weight.dtype == rt.dtype
+        for m in (model, cast):  # the whole prefix, no cache: every weight in use
+            logp = m.decode(prefix, m.encode(sources), sources)
+            assert logp.dtype == torch.float32
+            if m is model:
+                reference = logp
+        assert torch.equal(logp, reference)
+        for beam in (1, 4):
+            s = settings(beam_size=beam)
+            assert beam_search(cast, sources, s) == beam_search(model, sources, s)
+    weights = {tuple(p.shape) for m in cast.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
+
+    def weight_casts(m):
+        with torch.inference_mode(), rt.compute():
+            state = m.start_decoding(m.encode(sources), sources)
+            with profile(record_shapes=True) as prof:
+                m.decode(prefix[:, :1], state.memory, sources, state)
+        return [e for e in prof.events() if e.name == "aten::_to_copy" and tuple(e.input_shapes[0]) in weights]
+
+    assert weight_casts(model) and not weight_casts(cast)  # autocast casts every weight at every step

@@ -20,7 +20,7 @@ from summarizer.config import Config
 from summarizer.data import pad_sources
 from summarizer.decoding import decode_all
 from summarizer.prepared import lexicon, load_split, open_tokenizer, read_meta, read_pairs
-from summarizer.quantize import decoding_precision, quantize_int8, resolve_quantize
+from summarizer.quantize import decoding_form, decoding_precision, resolve_quantize
 from summarizer.scoring import rouge_report
 from summarizer.session import build
 
@@ -38,8 +38,7 @@ def _model(cfg: Config, rt: runtime.Runtime, quantize: str = "none"):
     else:
         torch.manual_seed(cfg.train.seed)
         model = build(cfg, rt, read_meta(cfg.data.dir))[0].cpu()
-    model = quantize_int8(model, rt.device) if quantize == "int8" else model
-    return runtime.unwrap(model).to(rt.device).eval()
+    return decoding_form(runtime.unwrap(model), rt, quantize).to(rt.device).eval()
 
 
 def _sources(cfg: Config) -> tuple[list[list[int]], list[list[str]]]:
@@ -108,7 +107,8 @@ def decode_row(cfg: Config, beam: int, against: str) -> dict:
                     "off": lambda: decode_all(model, sources, plain, rt, lexicon=lex)}
     elif against in ("bf16", "fp16"):
         rt16 = runtime.setup(cfg, against)
-        variants = {"on": lambda: decode_all(model, sources, plain, rt16, lexicon=lex),
+        model16 = _model(cfg, rt16)
+        variants = {"on": lambda: decode_all(model16, sources, plain, rt16, lexicon=lex),
                     "off": lambda: decode_all(model, sources, plain, rt, lexicon=lex)}
     else:
         variants["off"] = lambda: decode_all(default, sources, plain, rt_default, lexicon=lex)
