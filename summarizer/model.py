@@ -250,11 +250,9 @@ class Seq2Seq(nn.Module):
         # Contiguous once, rather than copied by attention's reshape at every step.
         state.memory_kv = [(k.contiguous(), v.contiguous()) for k, v in state.memory_kv]
         state.self_kv = [None] * len(self.decoder_layers)
-        if self.vocab_projection is None:
-            weight = self.embedding.weight  # cast here, once, as autocast would at every step
-            if torch.is_autocast_enabled(weight.device.type):
-                weight = weight.to(torch.get_autocast_dtype(weight.device.type))
-            state.output_weight = weight.t().contiguous()
+        if self.vocab_projection is None:  # stored as the decoder's linear layers are (quantize.decoding_form)
+            dtype = self.decoder_layers[0].self_attn.q_proj.weight.dtype
+            state.output_weight = self.embedding.weight.t().to(dtype).contiguous()
         return state
 
     def _memory_state(self, memory: Tensor, src_ids: Tensor, group: int = 1) -> DecodeState:

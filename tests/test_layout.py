@@ -61,7 +61,7 @@ def layout_violations(root: Path) -> list[str]:
     if model is not None:
         for node in ast.walk(model):
             word = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
-            if word in MODEL_FORBIDDEN:
+            if word in MODEL_FORBIDDEN or (word and any(f in word for f in MODEL_FORBIDDEN if len(f) > 4)):
                 found.append(f"{root.name}/model.py:{node.lineno} uses {word}")
         found += [f"{root.name}/model.py imports {n}" for n in imported(model, f"{root.name}/model.py")
                   if n.startswith(("torch.distributed", "torch.cuda", "torch.amp", "torch.nn.parallel"))]
