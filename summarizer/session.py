@@ -63,10 +63,10 @@ def build(cfg: Config, rt: Runtime, meta: dict, state: dict | None = None, init:
 
 def debiased_ema(decay: float):
     """AveragedModel's update for the t-th average: w_ema <- w_ema + (w - w_ema) * (1 - d) / (1 - d**t), the
-    exponential average of the weights seen so far with the weights each would have had, had there been
-    steps before the first, left out (Adam's bias correction of its moments). torch's own EMA update keeps
-    the first step's weights at d**t: after 1,000 steps at d = 0.999 still 37% of the average, which for a
-    fine-tuning (train.init_from) is the pre-trained model. After ~3 / (1 - d) steps the two agree."""
+    exponential average of the weights seen so far divided by the total weight they carry (as Adam corrects
+    its moments' bias). torch's own EMA update starts at the first step's weights and keeps them at d**t:
+    after 1,000 steps at d = 0.999 still 37% of the average, which for a fine-tuning (train.init_from) is the
+    pre-trained model. After ~3 / (1 - d) steps the two agree within 5%."""
     def update(averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor) -> None:
         t = int(num_averaged) + 1  # AveragedModel reads num_averaged on the host at every update anyway
         torch._foreach_lerp_(averaged, current, (1 - decay) / (1 - decay ** t))
@@ -75,10 +75,9 @@ def debiased_ema(decay: float):
 
 def build_ema(model: nn.Module, decay: float, state: dict | None, max_steps: int) -> AveragedModel | None:
     """An exponential moving average of the weights (train.ema_decay; 0 = none): w_ema <- decay * w_ema +
-    (1 - decay) * w after every optimizer step, debiased (`debiased_ema`): no weight on what came before
-    the first step. It is what
-    validation scores and what best.pt holds (step checkpoints hold both; eval.checkpoint=ckpt_*.pt and
-    `average` use the raw weights); a resumed run restores it from its checkpoint."""
+    (1 - decay) * w after every optimizer step, debiased (`debiased_ema`). It is what validation scores and
+    what best.pt holds (step checkpoints hold both; eval.checkpoint=ckpt_*.pt and `average` use the raw
+    weights); a resumed run restores it from its checkpoint."""
     if not decay:
         return None
     if max_steps < 3 / (1 - decay):  # after t steps the first weights still count decay**t: > 5% here
