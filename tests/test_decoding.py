@@ -1,7 +1,9 @@
+import copy
 import dataclasses
 
 import pytest
 import torch
+from torch.profiler import profile
 
 from summarizer.bench import decoding_v1
 from summarizer.config import EvalConfig, ModelConfig
@@ -9,6 +11,8 @@ from summarizer.constraints import Lexicon
 from summarizer.decoding import _block_repeats, beam_search, greedy
 from summarizer.model import Seq2Seq
 from summarizer.prepared import open_tokenizer, training_words
+from summarizer.quantize import decoding_form
+from summarizer.runtime import Runtime
 from summarizer.tokenizer import EOS, PAD, UNK
 
 PLAIN = EvalConfig(max_len=12, known_words=False, no_repeat_words=False, no_repeat_ngram=0)
@@ -358,12 +362,6 @@ def test_16_bit_decoding_form_casts_once_and_changes_nothing(model, sources, pre
     """Autocast keeps no weight casts under inference_mode: the decoding form stores the linear layers in
     16 bit once, and the output projection is cast once per batch. Same log-probabilities, same outputs as
     float32 weights cast by autocast at every step, and no weight is cast during a step."""
-    import copy
-
-    from torch.profiler import profile
-
-    from summarizer.quantize import decoding_form
-    from summarizer.runtime import Runtime
     cpu = torch.device("cpu")
     rt = Runtime(device=cpu, decoder_device=cpu, precision=precision)
     cast = decoding_form(copy.deepcopy(model), rt, "none")

@@ -3,6 +3,7 @@ int8 and 16-bit against float32, the word rules' cost, and summarize end to end;
 process, on a trained checkpoint and real test sources, with the ROUGE of what each decoded."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import io
@@ -107,7 +108,7 @@ def decode_row(cfg: Config, beam: int, against: str) -> dict:
                     "off": lambda: decode_all(model, sources, plain, rt, lexicon=lex)}
     elif against in ("bf16", "fp16"):
         rt16 = runtime.setup(cfg, against)
-        model16 = _model(cfg, rt16)
+        model16 = decoding_form(copy.deepcopy(model), rt16, "none")
         variants = {"on": lambda: decode_all(model16, sources, plain, rt16, lexicon=lex),
                     "off": lambda: decode_all(model, sources, plain, rt, lexicon=lex)}
     else:
