@@ -112,7 +112,8 @@ def settings(cfg: Config, name: str, n: int, source: dict, precision: str) -> di
     e = cfg.eval
     return {
         "scorer": "rouge-score (Google) with Porter stemming, default tokenizer (lower-cased, alphanumeric)",
-        "aggregation": "mean over pairs; best reference per ROUGE type; bootstrap 95% interval",
+        "aggregation": "mean over pairs; " + ("mean over each pair's references (ROUGE-1.5.5's -f A)" if e.truncate_bytes
+                                              else "best reference per ROUGE type") + "; bootstrap 95% interval",
         "measure": f"recall of the first {e.truncate_bytes} bytes" if e.truncate_bytes else "F-measure, full length",
         "unk": "UNK and <unk> scored as the same word", "split": name, "pairs": n, "pairs_file": e.pairs or None,
         "beam_size": e.beam_size, "max_len": e.max_len, "min_len": e.min_len, "length_penalty": e.length_penalty,
