@@ -110,10 +110,11 @@ def score(cfg: Config, meta: dict, pairs: list[dict], predictions: list[str]) ->
 
 def settings(cfg: Config, name: str, n: int, source: dict, precision: str) -> dict:
     e = cfg.eval
+    references = ("mean over each pair's references (ROUGE-1.5.5's -f A)" if e.truncate_bytes
+                  else "best reference per ROUGE type")
     return {
         "scorer": "rouge-score (Google) with Porter stemming, default tokenizer (lower-cased, alphanumeric)",
-        "aggregation": "mean over pairs; " + ("mean over each pair's references (ROUGE-1.5.5's -f A)" if e.truncate_bytes
-                                              else "best reference per ROUGE type") + "; bootstrap 95% interval",
+        "aggregation": f"mean over pairs; {references}; bootstrap 95% interval",
         "measure": f"recall of the first {e.truncate_bytes} bytes" if e.truncate_bytes else "F-measure, full length",
         "unk": "UNK and <unk> scored as the same word", "split": name, "pairs": n, "pairs_file": e.pairs or None,
         "beam_size": e.beam_size, "max_len": e.max_len, "min_len": e.min_len, "length_penalty": e.length_penalty,
