@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from summarizer.config import load_config
+from summarizer.config.load import load_config
 from summarizer.errors import UserError
 
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         from data_prep import prepare  # torch and datasets load here, inside the Ctrl-C handling
-        from summarizer.prepared import META_FILE
+        from summarizer.data.prepared import META_FILE
         cfg = load_config(args.config, args.overrides).data
         if args.if_missing and (Path(cfg.dir) / META_FILE).is_file():
             return 0

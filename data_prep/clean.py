@@ -7,9 +7,9 @@ import re
 import numpy as np
 from datasets import Dataset
 
-from summarizer.config import DataConfig
+from summarizer.config.schema import DataConfig
+from summarizer.data.tokenizer import normalize
 from summarizer.errors import ConfigError
-from summarizer.tokenizer import normalize
 
 # Each dropped pair is counted under the first rule it breaks, so pairs + sum(dropped) == raw pairs.
 RULES = ("bad_chars", "empty", "source_too_long", "target_too_long", "duplicate")

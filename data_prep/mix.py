@@ -12,7 +12,7 @@ and what every rule did, per source.
           - {path: DIR/news_extra/wmt_newstest/english.jsonl.gz, unpaired: true, tag: news}
 
 An `unpaired` file holds sentences without headlines (its source field, or `text`): each becomes a pair of the
-sentence with itself, which training turns into a denoising example (summarizer/noise.py): the encoder sees the
+sentence with itself, which training turns into a denoising example (summarizer/data/noise.py): the encoder sees the
 sentence with spans of words masked, the decoder writes it whole. Unpaired entries need a tag and belong to train.
 
 Cleaning rules run on the raw text, before the one normalisation (case, digits, word tokenization) that every

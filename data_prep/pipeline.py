@@ -10,11 +10,11 @@ from data_prep.clean import clean_split, hold_out
 from data_prep.sources import PRODUCT_SPLITS, input_files, is_hub, load_splits
 from data_prep.tokenize import encode_split, token_dtype, write_split
 from data_prep.train_spm import train_spm
-from summarizer.config import DataConfig
+from summarizer.config.schema import DataConfig
+from summarizer.data.prepared import FORMAT_VERSION, META_FILE, SPM_FILE, split_files
+from summarizer.data.tokenizer import BOS, EOS, PAD, UNK
 from summarizer.errors import ConfigError, DataError
 from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
-from summarizer.prepared import FORMAT_VERSION, META_FILE, SPM_FILE, split_files
-from summarizer.tokenizer import BOS, EOS, PAD, UNK
 
 PREP_VERSION = 1  # bump when cleaning or tokenization changes, so existing prepared dirs are rebuilt
 CACHE_DIR = ".hf_cache"  # datasets' cache inside data.dir: nothing is written to the home directory

@@ -11,9 +11,9 @@ import datasets
 from datasets import Dataset, Features, List, Value
 
 from data_prep.mix import FileSpec, apply_cleaning, apply_filter, parse_entry, sha256
-from summarizer.config import DataConfig
+from summarizer.config.schema import DataConfig
+from summarizer.data.pairs import numbered_lines, parse_record
 from summarizer.errors import ConfigError, DataError
-from summarizer.pairs import numbered_lines, parse_record
 
 PRODUCT_SPLITS = ("train", "valid", "test")
 # Every reader returns exactly these columns, so splits from different files concatenate.

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from datasets import Dataset, Features, List, Value
 
+from summarizer.data.prepared import split_files
+from summarizer.data.tokenizer import Tokenizer
 from summarizer.outputs import atomic_open
-from summarizer.prepared import split_files
-from summarizer.tokenizer import Tokenizer
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import sentencepiece as spm
 from datasets import Dataset
 
-from summarizer.config import DataConfig
+from summarizer.config.schema import DataConfig
+from summarizer.data.tokenizer import BOS, EOS, MASK_PIECE, PAD, TAG_PIECE, UNK, UNK_WORD
 from summarizer.errors import DataError
-from summarizer.tokenizer import BOS, EOS, MASK_PIECE, PAD, TAG_PIECE, UNK, UNK_WORD
 
 SPM_SEED = 20240521  # SentencePiece samples and shuffles sentences; a fixed seed makes prep reproducible
 

@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from summarizer.config import load_config
+from summarizer.config.load import load_config
 from summarizer.errors import UserError
 
 COMMANDS = {
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         return importlib.import_module(HARNESS[args.command][0]).cli(args)
     cfg = load_config(args.config, args.overrides)
     if args.command == "train":
-        from summarizer.train import train
+        from summarizer.train.loop import train
         summary = train(cfg)
         best = summary["best"]
         best = "n/a" if best is None else f"{best['metric']} {best['value']:.4g}"
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         from summarizer.overfit import overfit_check
         return overfit_check(cfg)
     if args.command == "eval":
-        from summarizer.evaluate import evaluate
+        from summarizer.evaluation.evaluate import evaluate
         report = evaluate(cfg)
         print(json.dumps({k: report[k] for k in ("rouge1", "rouge2", "rougeL") if k in report}))
         return 0

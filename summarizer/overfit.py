@@ -4,16 +4,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from summarizer import checkpoint, runtime
-from summarizer.config import Config
-from summarizer.data import PairDataset, TokenBatchSampler, make_loader
-from summarizer.decoding import decode_all
-from summarizer.evaluate import load_model
+from summarizer import runtime
+from summarizer.config.schema import Config
+from summarizer.data.batches import PairDataset, TokenBatchSampler, make_loader
+from summarizer.data.prepared import read_meta
+from summarizer.decode.inference import load_model
+from summarizer.decode.search import decode_all
+from summarizer.model import checkpoint
 from summarizer.outputs import claim_dir
-from summarizer.prepared import read_meta
-from summarizer.session import RUN_FILES
-from summarizer.train import train
-from summarizer.validation import evaluate_loss
+from summarizer.train.loop import train
+from summarizer.train.session import RUN_FILES
+from summarizer.train.validation import evaluate_loss
 
 DIAGNOSIS = """What a failure points to (the checks of a model that should memorise):
   - loss does not fall at all: layers not connected, gradients not flowing (detached tensor, frozen

@@ -9,11 +9,12 @@ import time
 from tqdm import tqdm
 
 from summarizer import runtime
-from summarizer.config import Config
-from summarizer.decoding import copied_unknowns, decode_all
-from summarizer.evaluate import check_beam, eval_checkpoint, load_model, summary_text
-from summarizer.prepared import check_data_settings, lexicon, open_tokenizer, read_meta
-from summarizer.quantize import decoding_precision
+from summarizer.config.schema import Config
+from summarizer.data.prepared import check_data_settings, open_tokenizer, read_meta
+from summarizer.decode.constraints import lexicon
+from summarizer.decode.inference import check_beam, eval_checkpoint, load_model, summary_text
+from summarizer.decode.quantize import decoding_precision
+from summarizer.decode.search import copied_unknowns, decode_all
 
 _LINE_END = re.compile(r"\r\n?|\n")
 CHUNK_LINES = 256  # lines read, decoded and written at a time: memory stays constant, output flows

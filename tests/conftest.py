@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from summarizer.config import DataConfig, load_config
+from summarizer.config.load import load_config
+from summarizer.config.schema import DataConfig
 
 ASSETS = Path(__file__).parent / "assets"
 

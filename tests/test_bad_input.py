@@ -87,8 +87,8 @@ def test_resume_with_a_new_learning_rate_uses_it_and_records_it(data, trained):
     assert main(["train", *args(data, trained, "train.max_steps=20", "train.lr=0.0005")]) == 0
     records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     lr_20 = next(r["lr"] for r in records if r["split"] == "train" and r["step"] == 20)
-    from summarizer.config import load_config
-    from summarizer.optim import lr_factor
+    from summarizer.config.load import load_config
+    from summarizer.train.optim import lr_factor
     cfg = load_config(TINY, [*SMALL, "train.lr=0.0005"])
     assert lr_20 == pytest.approx(0.0005 * lr_factor(20, cfg.train), abs=1e-6)  # the new peak (logs round)
     changes = json.loads((trained / "manifest.json").read_text())["config_changes"]
@@ -277,7 +277,7 @@ def test_a_file_as_data_source_and_duplicate_yaml_keys_are_named(tmp_path, capsy
 
 def test_rush_files_with_a_byte_order_mark_and_cr_only_summarize_input(trained_run, tmp_path, monkeypatch, capsys):
     from data_prep.sources import load_splits
-    from summarizer.config import load_config
+    from summarizer.config.load import load_config
     (tmp_path / "train.article.txt").write_bytes("\ufeffthe mayor opened a park .\nrain fell .\n".encode())
     (tmp_path / "train.title.txt").write_bytes("\ufeffmayor opens park\nrain\n".encode())
     cfg = load_config(None, [f"data.source={tmp_path}", "data.splits={train: [train]}"]).data

@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from summarizer import checkpoint
 from summarizer.errors import CheckpointError, DataError
+from summarizer.model import checkpoint
 
 
 def test_atomic_save_keeps_last_k_and_points_at_latest(tmp_path):
@@ -68,8 +68,8 @@ def test_tokenizer_mismatch_is_refused():
 
 
 def test_restore_model_uses_the_checkpoints_own_config():
-    from summarizer.config import load_config, to_dict
-    from summarizer.model import Seq2Seq
+    from summarizer.config.load import load_config, to_dict
+    from summarizer.model.transformer import Seq2Seq
     cfg = load_config(None, ["model.d_model=32", "model.ffn_dim=48", "model.encoder_layers=1"])
     model = Seq2Seq(cfg.model, 30)
     state = {"config": to_dict(cfg), "data_meta": {"vocab_size": 30}, "model": model.state_dict()}

@@ -1,7 +1,7 @@
 import pytest
 import yaml
 
-from summarizer.config import from_dict, load_config, save_config, to_dict
+from summarizer.config.load import from_dict, load_config, save_config, to_dict
 from summarizer.errors import ConfigError
 
 
@@ -97,9 +97,9 @@ def test_every_shipped_config_loads_and_base_documents_every_key():
 def test_each_keys_rules_live_beside_its_field_and_every_reader_uses_them():
     """Bounds, choices, the resume rule and the report's bookkeeping rule are metadata of the field; validate,
     resume and report read them there (no list of keys elsewhere)."""
-    from summarizer.config import rules
+    from summarizer.config.resume import may_change
+    from summarizer.config.schema import rules
     from summarizer.harness.report import ignored
-    from summarizer.resume import may_change
     assert rules("train", "lr")["above"] == 0 and rules("train", "schedule")["choices"][0] == "inverse_sqrt"
     assert rules("train", "lr")["resume"] and may_change("train.lr") and may_change("data.num_workers")
     assert not may_change("model.d_model") and not may_change("train.label_smoothing")

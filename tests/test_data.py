@@ -1,8 +1,8 @@
 import numpy as np
 import torch
 
-from summarizer.data import PairDataset, TokenBatchSampler, collate, padding_fraction, token_budget_batches
-from summarizer.tokenizer import BOS, EOS, PAD
+from summarizer.data.batches import PairDataset, TokenBatchSampler, collate, padding_fraction, token_budget_batches
+from summarizer.data.tokenizer import BOS, EOS, PAD
 
 
 def make_dataset(n=200, seed=0, max_source_len=40, max_target_len=12):
@@ -116,8 +116,8 @@ def test_source_weights_draw_each_pair_its_weight_an_epoch_on_average_and_replay
 def test_source_weights_must_name_prepared_tags_with_usable_values(monkeypatch):
     import pytest
 
-    from summarizer import prepared
-    from summarizer.config import DataConfig
+    from summarizer.config.schema import DataConfig
+    from summarizer.data import prepared
     from summarizer.errors import ConfigError
     pairs = [{"source": "a", "target": "b", **t} for t in ({"tag": "wire"}, {}, {"tag": "news"})]
     monkeypatch.setattr(prepared, "read_pairs", lambda data_dir, split: pairs)

@@ -1,4 +1,4 @@
-"""Tests for data_prep and summarizer/prepared.py: readers, splits, cleaning, arrays, meta, idempotency, errors."""
+"""Tests for data_prep and summarizer/data/prepared.py: readers, splits, cleaning, arrays, meta, idempotency, errors."""
 import hashlib
 import json
 
@@ -13,9 +13,9 @@ from data_prep.__main__ import main
 from data_prep.clean import RULES, clean_split, hold_out
 from data_prep.sources import load_splits
 from data_prep.tokenize import atomic_open
-from summarizer.config import load_config
+from summarizer.config.load import load_config
+from summarizer.data.prepared import load_split, read_meta, read_pairs, split_files
 from summarizer.errors import ConfigError, DataError
-from summarizer.prepared import load_split, read_meta, read_pairs, split_files
 
 
 def _load(tmp_path, *overrides):
@@ -151,7 +151,7 @@ def test_valid_holdout_in_prepare(tmp_path):
 # --- prepared output -------------------------------------------------------------------------
 
 def test_splits_are_memory_mapped_and_consistent_with_jsonl(tiny_prepared):
-    from summarizer.prepared import open_tokenizer
+    from summarizer.data.prepared import open_tokenizer
 
     meta, tokenizer = read_meta(tiny_prepared), open_tokenizer(tiny_prepared)
     for split, stats in meta["splits"].items():
@@ -401,8 +401,8 @@ def test_source_tags_put_each_pairs_tag_piece_first_and_untagged_text_gets_the_a
     import numpy as np
 
     from data_prep import prepare
-    from summarizer.constraints import Lexicon
-    from summarizer.tokenizer import Tokenizer
+    from summarizer.data.tokenizer import Tokenizer
+    from summarizer.decode.constraints import Lexicon
     days = ("monday", "tuesday", "sunday")
     wire = _write_jsonl(tmp_path / "wire.jsonl", [{"source": f"oil prices rose sharply on {day} .",
                                                    "target": "OIL PRICES RISE"} for day in days])
@@ -439,8 +439,8 @@ def test_unpaired_sentences_become_pairs_with_themselves_tagged_and_never_held_o
     """An `unpaired` entry reads sentences (its `text` field) as pairs of each sentence with itself, under its
     tag; meta.json names its tags, the tokenizer gets the mask piece, and valid is held out of pairs only."""
     from data_prep import prepare
-    from summarizer.constraints import Lexicon
-    from summarizer.tokenizer import Tokenizer
+    from summarizer.data.tokenizer import Tokenizer
+    from summarizer.decode.constraints import Lexicon
     days = ("monday", "tuesday", "sunday", "friday")
     news = _write_jsonl(tmp_path / "news.jsonl", [{"source": f"the mayor opened a new park on {day} .",
                                                    "target": "mayor opens park"} for day in days])

@@ -6,14 +6,14 @@ import torch
 from torch.profiler import profile
 
 from summarizer.bench import decoding_v1
-from summarizer.config import EvalConfig, ModelConfig
-from summarizer.constraints import Lexicon
-from summarizer.decoding import _block_repeats, beam_search, greedy
-from summarizer.model import Seq2Seq
-from summarizer.prepared import open_tokenizer, training_words
-from summarizer.quantize import decoding_form
+from summarizer.config.schema import EvalConfig, ModelConfig
+from summarizer.data.prepared import open_tokenizer, training_words
+from summarizer.data.tokenizer import EOS, PAD, UNK
+from summarizer.decode.constraints import Lexicon
+from summarizer.decode.quantize import decoding_form
+from summarizer.decode.search import _block_repeats, beam_search, greedy
+from summarizer.model.transformer import Seq2Seq
 from summarizer.runtime import Runtime
-from summarizer.tokenizer import EOS, PAD, UNK
 
 PLAIN = EvalConfig(max_len=12, known_words=False, no_repeat_words=False, no_repeat_ngram=0)
 
@@ -139,8 +139,7 @@ def test_word_rules_emit_only_known_or_source_words_and_never_twice(lexicon_and_
 def test_numbers_and_the_unknown_marker_come_only_from_the_source(tiny_prepared):
     """A masked number ("##") or "<unk>" is a training word, but a summary may write one only when its own
     source has it: made up, it is a hole in the headline ("$ ## millions", "rises <unk> %")."""
-    from summarizer.constraints import WordRules
-    from summarizer.prepared import lexicon
+    from summarizer.decode.constraints import WordRules, lexicon
     tokenizer, lex = open_tokenizer(tiny_prepared), lexicon(tiny_prepared)
     assert {"##", "<unk>"} <= training_words(tiny_prepared)
     number, (space, unk) = tokenizer.encode("##"), tokenizer.encode("<unk>")
@@ -157,9 +156,8 @@ def test_numbers_and_the_unknown_marker_come_only_from_the_source(tiny_prepared)
 
 def test_a_source_word_with_a_character_outside_the_vocabulary_is_copied_whole_or_not_at_all(tiny_prepared):
     """"bj<UNK>rk" may be written with its UNK (the readable form puts the character back), never as "bjrk"."""
-    from summarizer.constraints import WordRules
-    from summarizer.prepared import lexicon
-    from summarizer.tokenizer import UNK
+    from summarizer.data.tokenizer import UNK
+    from summarizer.decode.constraints import WordRules, lexicon
     tokenizer, lex = open_tokenizer(tiny_prepared), lexicon(tiny_prepared)
     source = tokenizer.encode("bj\u00f6rk won")
     assert UNK in source
@@ -181,7 +179,7 @@ def test_punctuation_does_not_make_a_used_word_new(tiny_prepared, known_only):
     none of them may follow ("gold closes higher feb feb."). With known words only the tree refuses the
     word's first piece already (every word under it is used up), so no row spells itself into a dead end;
     with repeats only, a row may spell "feb" again but neither end it nor add punctuation to it."""
-    from summarizer.constraints import Lexicon, WordRules
+    from summarizer.decode.constraints import Lexicon, WordRules
     tokenizer = open_tokenizer(tiny_prepared)
     lex = Lexicon(tokenizer, {"feb", "feb.", "feb,", "gold"})
     dot, comma = tokenizer.encode("feb.")[-1], tokenizer.encode("feb,")[-1]
@@ -213,8 +211,7 @@ def test_punctuation_does_not_make_a_used_word_new(tiny_prepared, known_only):
 def test_a_rows_word_hash_is_the_hash_of_its_repeat_key(tiny_prepared):
     """The hash a row extends piece by piece equals the hash of Lexicon.repeat_key of the word's pieces, for
     every training word and words of punctuation alone."""
-    from summarizer.constraints import WordRules, text_hash
-    from summarizer.prepared import lexicon
+    from summarizer.decode.constraints import WordRules, lexicon, text_hash
     tokenizer, lex = open_tokenizer(tiny_prepared), lexicon(tiny_prepared)
     words = sorted(training_words(tiny_prepared)) + ["--", "-lrb-", "u.s.", "feb.", "(afp)", "...", "'s", "#,###"]
     encoded = [ids for ids in tokenizer.encode_batch(words) if ids and lex.starts_word[ids[0]]]
@@ -240,7 +237,7 @@ def test_byte_minimum_fills_the_budget(lexicon_and_model):
 
 
 def test_length_batches_fit_the_budget_and_cover_every_sentence():
-    from summarizer.decoding import length_batches
+    from summarizer.decode.search import length_batches
     lengths = [5, 40, 3, 12, 12, 7, 90, 1]
     batches = length_batches(lengths, budget=40)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
@@ -254,8 +251,8 @@ def test_batches_decoded_in_parallel_give_the_same_outputs_in_input_order(model)
     """eval.threads: several batches at once (one core each) change neither outputs nor their order, and the
     process's intra-op thread count is restored afterwards."""
     from summarizer import runtime
-    from summarizer.config import Config
-    from summarizer.decoding import decode_all
+    from summarizer.config.schema import Config
+    from summarizer.decode.search import decode_all
     torch.manual_seed(2)
     sources = [torch.randint(4, 40, (int(n),)).tolist() for n in torch.randint(2, 12, (23,))]
     rt = runtime.setup(Config(), "fp32")
@@ -271,7 +268,7 @@ def test_batches_decoded_in_parallel_give_the_same_outputs_in_input_order(model)
 def test_minimum_length_never_exceeds_the_source():
     """eval.min_len holds a summary back from ending, but never past its own source's length: a three-piece
     input is not made into an eight-piece headline."""
-    from summarizer.decoding import Rules
+    from summarizer.decode.search import Rules
     src = torch.tensor([[5, 6, 7, 0, 0, 0, 0, 0, 0, 0], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]])
     rules = Rules(src, 2, settings(min_len=8), None)
     for step, ends in ((2, [False] * 4), (3, [True, True, False, False]), (8, [True] * 4)):
@@ -323,8 +320,8 @@ def _written(lex, hyp: list[int]) -> list[tuple[list[int], list[int]]]:
 def test_word_rules_allow_exactly_what_their_definition_allows(lexicon_and_model, tiny_prepared):
     """Random beams (random parents, random allowed pieces, sentences leaving) against the rules read off
     their definition at every step."""
-    from summarizer.constraints import WordRules
-    from summarizer.prepared import read_pairs
+    from summarizer.data.prepared import read_pairs
+    from summarizer.decode.constraints import WordRules
     tokenizer, known, lex, *_ = lexicon_and_model
     known_pieces = {tuple(ids) for ids in tokenizer.encode_batch(sorted(known))
                     if ids and lex.starts_word[ids[0]] and all(lex.text[i] for i in ids[1:]) and UNK not in ids}

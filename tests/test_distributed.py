@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from summarizer.config import load_config
-from summarizer.train import train
+from summarizer.config.load import load_config
+from summarizer.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 EXACT = ["data.vocab_size=150", "data.lowercase=false",  # as tiny_prepared was prepared

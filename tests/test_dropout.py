@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from summarizer.dropout import Dropout, dropout_multiplier
+from summarizer.model.dropout import Dropout, dropout_multiplier
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -82,7 +82,7 @@ def test_int8_decoding_runs_and_stays_close_to_float(trained_tiny, monkeypatch, 
     eval.quantize=int8 decodes in fp32 (int8 layers take float32 activations) instead of failing."""
     from summarizer import runtime
     from summarizer.__main__ import main
-    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: host_bf16)
+    monkeypatch.setattr(runtime.device, "cpu_has_fast_bf16", lambda: host_bf16)
     tmp, args = trained_tiny
     reports = {}
     for quantize in ("none", "int8"):
@@ -132,7 +132,7 @@ def test_summarize_streams_in_chunks_keeping_order_and_empty_lines(trained_tiny,
                     reason="../shared/data is not here")
 def test_the_shared_dev_sets_read_as_pairs_files():
     """DUC-2003 (four references each) and the Gigaword test_dev sample, as eval.pairs reads them."""
-    from summarizer.pairs import read_pairs_file
+    from summarizer.data.pairs import read_pairs_file
     data = Path(__file__).resolve().parents[2] / "shared" / "data"
     duc = read_pairs_file(data / "duc2003" / "valid.jsonl.gz")
     assert len(duc) == 585 and all(len(p["references"]) == 4 and p["target"] == p["references"][0] for p in duc)
@@ -145,7 +145,7 @@ def test_quantize_auto_is_int8_only_where_decoding_runs_on_the_cpu_in_fp32():
 
     import torch
 
-    from summarizer.quantize import resolve_quantize
+    from summarizer.decode.quantize import resolve_quantize
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     rt = lambda dev, dec, precision: SimpleNamespace(device=dev, decoder_device=dec, precision=precision)  # noqa: E731
     assert resolve_quantize("auto", rt(cpu, cpu, "fp32")) == "int8"
@@ -159,9 +159,9 @@ def test_quantize_auto_is_int8_only_where_decoding_runs_on_the_cpu_in_fp32():
 def test_quantize_int8_returns_a_copy_and_leaves_its_argument_untouched():
     import torch
 
-    from summarizer.config import ModelConfig
-    from summarizer.model import Seq2Seq
-    from summarizer.quantize import quantize_int8
+    from summarizer.config.schema import ModelConfig
+    from summarizer.decode.quantize import quantize_int8
+    from summarizer.model.transformer import Seq2Seq
     model = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32), 40).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     quantized = quantize_int8(model, torch.device("cpu"))

@@ -3,9 +3,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from summarizer.config import ModelConfig
-from summarizer.flops import batch_flops, forward_flops
-from summarizer.model import Seq2Seq, explicit_attention
+from summarizer.config.schema import ModelConfig
+from summarizer.model.transformer import Seq2Seq, explicit_attention
+from summarizer.train.watch.flops import batch_flops, forward_flops
 
 
 @pytest.mark.parametrize("copy", [True, False])

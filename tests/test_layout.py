@@ -1,15 +1,31 @@
-"""The package's structure, checked on its syntax trees (every module, every subfolder): the core never imports
-the bench or the harness, a model is built in two places, every decode goes through decode_all, and the model
-holds no device, precision or distributed code."""
+"""The package's structure, checked on its syntax trees (every module, every subfolder): each module imports only
+from its own layer or the layers below (LAYERS, bottom first), with no import cycle; the core never imports the
+bench or the harness; a model is built in two places; every decode goes through decode_all; and the model holds no
+device, precision or distributed code."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "summarizer"
+# The layers, bottom first, by a module's first name under summarizer/: the one statement of the allowed order.
+LAYERS = (
+    ("errors", "outputs"),  # user-facing errors; atomic writes and ownership of output dirs
+    ("config",),
+    ("data",),
+    ("model",),
+    ("runtime",),
+    ("decode",),
+    ("evaluation",),
+    ("train",),
+    ("summarize", "overfit"),  # the commands beside train and eval
+    ("bench", "harness", "__main__"),  # the tools and the CLI
+)
 TOOLS = ("bench", "harness")  # rooms the core may not import
-SEARCHES = {"greedy", "beam_search", "decode_batch"}  # search loops: only decoding.py runs its own
-# Names model.py may not use: any holding one of these parts, in any case (is_autocast_enabled,
+SEARCHES = {"greedy", "beam_search", "decode_batch"}  # search loops: only decode/search.py runs its own
+MODEL_BUILDERS = ("train/session.py", "model/checkpoint.py")  # the two places a Seq2Seq is built
+PURE = ("model/transformer.py", "model/dropout.py")  # the model's math: no device, precision or distributed code
+# Names the model may not use: any holding one of these parts, in any case (is_autocast_enabled,
 # DistributedDataParallel), and "amp" as a whole name (it is part of clamp).
 MODEL_FORBIDDEN_PARTS = ("cuda", "autocast", "distributed", "gradscaler")
 MODEL_FORBIDDEN_WORDS = {"amp"}
@@ -42,31 +58,86 @@ def is_core(path: str) -> bool:
     return parts[1] not in TOOLS and parts[-1] != "__main__.py"
 
 
+def layer(path: str) -> int:
+    """The index in LAYERS of a module path ('summarizer/data/batches.py' -> 2); -1 for the package's root."""
+    name = path.split("/")[1].removesuffix(".py")
+    return next((i for i, names in enumerate(LAYERS) if name in names), -1)
+
+
+def resolve(name: str, trees: dict[str, ast.Module], root: str) -> str | None:
+    """The module path a dotted import names ('summarizer.data.batches.collate' -> 'summarizer/data/batches.py'),
+    the longest prefix that is a module of the package; None outside it."""
+    parts = name.split(".")
+    if parts[0] != root:
+        return None
+    for end in range(len(parts), 1, -1):
+        base = "/".join(parts[:end])
+        for candidate in (f"{base}.py", f"{base}/__init__.py"):
+            if candidate in trees:
+                return candidate
+    return None
+
+
+def import_graph(trees: dict[str, ast.Module], root: str) -> dict[str, set[str]]:
+    """Module path -> the package's modules it imports (at any depth of its code, functions included)."""
+    graph = {}
+    for path, tree in trees.items():
+        targets = {resolve(n, trees, root) for n in imported(tree, path)}
+        graph[path] = {t for t in targets if t and t != path and not t.endswith(f"{root}/__init__.py")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[str]:
+    """One line per import cycle found by depth-first search ('a.py -> b.py -> a.py')."""
+    found, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append(" -> ".join(stack[stack.index(nxt):] + [node, nxt]) if nxt in stack else
+                             f"{node} -> {nxt}")
+            elif nxt not in state:
+                visit(nxt, stack + [node])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return found
+
+
 def layout_violations(root: Path) -> list[str]:
     """Every way the package at `root` breaks the rules in this file's docstring, one line each."""
     trees, found = modules(root), []
-    tools = tuple(f"{root.name}.{t}" for t in TOOLS)
-    for path, tree in trees.items():
+    graph = import_graph(trees, root.name)
+    for path, targets in sorted(graph.items()):
+        found += [f"{path} imports {t}, a layer above it" for t in sorted(targets) if layer(t) > layer(path)]
         if is_core(path):
-            found += [f"{path} imports {n}" for n in sorted(imported(tree, path)) if n.startswith(tools)
-                      and n.split(".")[1] in TOOLS]
+            found += [f"{path} imports {t}" for t in sorted(targets) if not is_core(t)]
+    found += [f"import cycle: {c}" for c in cycles(graph)]
+    for path, tree in trees.items():
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
             func = node.func
             name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
             owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else ""
-            if name == "Seq2Seq" and path not in (f"{root.name}/session.py", f"{root.name}/checkpoint.py"):
+            if name == "Seq2Seq" and path not in [f"{root.name}/{m}" for m in MODEL_BUILDERS]:
                 found.append(f"{path}:{node.lineno} builds Seq2Seq")
-            if name in SEARCHES and path != f"{root.name}/decoding.py" and owner != "decoding_v1":
+            if name in SEARCHES and path != f"{root.name}/decode/search.py" and owner != "decoding_v1":
                 found.append(f"{path}:{node.lineno} calls {name} instead of decode_all")
-    model = trees.get(f"{root.name}/model.py")
-    if model is not None:
+    for pure in PURE:
+        path = f"{root.name}/{pure}"
+        model = trees.get(path)
+        if model is None:
+            found.append(f"{path} is missing")
+            continue
         for node in ast.walk(model):
             word = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
             if word and (word in MODEL_FORBIDDEN_WORDS or any(part in word.lower() for part in MODEL_FORBIDDEN_PARTS)):
-                found.append(f"{root.name}/model.py:{node.lineno} uses {word}")
-        found += [f"{root.name}/model.py imports {n}" for n in imported(model, f"{root.name}/model.py")
+                found.append(f"{path}:{node.lineno} uses {word}")
+        found += [f"{path} imports {n}" for n in imported(model, path)
                   if n.startswith(("torch.distributed", "torch.cuda", "torch.amp", "torch.nn.parallel"))]
     return found
 
@@ -82,8 +153,19 @@ def test_the_package_keeps_its_layout():
 
 def test_every_decoding_command_calls_decode_all():
     trees = modules(PACKAGE)
-    for path in ("evaluate.py", "validation.py", "overfit.py", "summarize.py", "bench/run.py", "bench/decoding.py"):
+    for path in ("evaluation/evaluate.py", "train/validation.py", "overfit.py", "summarize.py", "bench/run.py",
+                 "bench/decoding.py"):
         assert calls(trees[f"summarizer/{path}"], "decode_all"), path
+
+
+def test_summarize_and_bench_reach_a_model_without_the_eval_command():
+    """Loading a model to decode is decode/inference.py's: the commands that decode do not go through `eval`."""
+    trees = modules(PACKAGE)
+    graph = import_graph(trees, "summarizer")
+    users = [p for p in graph if p == "summarizer/summarize.py" or p.startswith("summarizer/bench/")]
+    assert [p for p in users if "summarizer/evaluation/evaluate.py" in graph[p]] == []
+    assert all(any(t == "summarizer/decode/inference.py" for t in graph[p]) for p in
+               ("summarizer/summarize.py", "summarizer/bench/decoding.py"))
 
 
 def test_the_checker_finds_each_kind_of_violation(tmp_path):
@@ -93,19 +175,27 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
         (root / p.relative_to(PACKAGE)).parent.mkdir(parents=True, exist_ok=True)
         (root / p.relative_to(PACKAGE)).write_text(p.read_text())
     assert layout_violations(root) == []
-    plant = {"train.py": "from summarizer.harness import report\n",
-             "data.py": "import summarizer.bench.run\n",
-             "placement.py": "from .bench import memory\n",
-             "evaluate.py": "\ndef bypass(m, s):\n    return decoding.greedy(m, s)\n",
-             "losses.py": "\ndef another(cfg):\n    return Seq2Seq(cfg, 10)\n",
-             "model.py": "\ndef leak(x):\n    return x.cuda()\n"}
+    plant = {"train/loop.py": "from summarizer.harness import report\n",
+             "data/batches.py": "import summarizer.bench.run\n",
+             "runtime/placement.py": "from ..bench import memory\n",
+             "data/prepared.py": "\ndef upward():\n    from summarizer.decode import constraints\n",
+             "config/schema.py": "\ndef circle():\n    from summarizer.config.load import load_config\n",
+             "evaluation/evaluate.py": "\ndef bypass(m, s):\n    return decoding.greedy(m, s)\n",
+             "train/losses.py": "\ndef another(cfg):\n    return Seq2Seq(cfg, 10)\n",
+             "model/transformer.py": "\ndef leak(x):\n    return x.cuda()\n"}
     for name, text in plant.items():
         (root / name).write_text((root / name).read_text() + text)
     found = "\n".join(layout_violations(root))
-    for expected in ("train.py imports summarizer.harness", "data.py imports summarizer.bench",
-                     "placement.py imports summarizer.bench", "evaluate.py:", "calls greedy instead of decode_all",
-                     "losses.py:", "builds Seq2Seq", "model.py:", "uses cuda"):
+    for expected in ("train/loop.py imports summarizer/harness/report.py",
+                     "data/batches.py imports summarizer/bench/run.py",
+                     "runtime/placement.py imports summarizer/bench/memory.py",
+                     "data/prepared.py imports summarizer/decode/constraints.py, a layer above it",
+                     "evaluation/evaluate.py:", "calls greedy instead of decode_all",
+                     "train/losses.py:", "builds Seq2Seq", "model/transformer.py:", "uses cuda"):
         assert expected in found, (expected, found)
+    cycle = [line for line in found.splitlines() if line.startswith("import cycle: ")]
+    planted = "config/schema.py -> summarizer/config/load.py -> summarizer/config/schema.py"
+    assert any(planted in c for c in cycle), found
 
 
 def test_every_code_path_the_docs_name_exists():
@@ -121,5 +211,6 @@ def test_every_code_path_the_docs_name_exists():
 def test_the_readme_code_map_names_every_module():
     root = PACKAGE.parent
     readme = (root / "README.md").read_text()
-    modules_ = [p.relative_to(root).as_posix() for p in sorted(PACKAGE.rglob("*.py")) if p.stat().st_size]  # not empty
+    modules_ = [p.relative_to(root).as_posix() for p in sorted(PACKAGE.rglob("*.py"))
+                if len(ast.parse(p.read_text()).body) > 1]  # not empty, nor a package's docstring alone
     assert [m for m in modules_ if f"`{m}`" not in readme] == []

@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from summarizer.config import TrainConfig
-from summarizer.losses import smoothed_nll
-from summarizer.model import DecoderOutput
-from summarizer.optim import build_optimizer, lr_factor
+from summarizer.config.schema import TrainConfig
+from summarizer.model.transformer import DecoderOutput
+from summarizer.train.losses import smoothed_nll
+from summarizer.train.optim import build_optimizer, lr_factor
 
 
 def test_nll_matches_cross_entropy_and_ignores_padding():
@@ -30,8 +30,8 @@ def test_label_smoothing_matches_torch():
 
 
 def test_copy_nll_equals_the_full_mixture_distribution():
-    from summarizer.config import ModelConfig
-    from summarizer.model import Seq2Seq
+    from summarizer.config.schema import ModelConfig
+    from summarizer.model.transformer import Seq2Seq
     torch.manual_seed(0)
     model = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32,
                                 dropout=0.0), 30)
@@ -59,8 +59,8 @@ def test_schedules_warm_up_then_decay(schedule):
 
 
 def test_no_weight_decay_on_norms_biases_embedding():
-    from summarizer.config import ModelConfig
-    from summarizer.model import Seq2Seq
+    from summarizer.config.schema import ModelConfig
+    from summarizer.model.transformer import Seq2Seq
     model = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32), 20)
     decay, no_decay = build_optimizer(model, TrainConfig(weight_decay=0.1)).param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -70,13 +70,13 @@ def test_no_weight_decay_on_norms_biases_embedding():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_vocab_stats_gradient_matches_autograd(dtype):
-    from summarizer.losses import VocabStats
+    from summarizer.train.losses import VocabStats
     torch.manual_seed(0)
     base = torch.randn(6, 11).to(dtype)
     target = torch.randint(0, 11, (6,))
     weights = torch.randn(3, 6)
 
-    from summarizer.losses import vocab_stats_autograd
+    from summarizer.train.losses import vocab_stats_autograd
 
     def reference(x):
         return vocab_stats_autograd(x, target)
@@ -95,7 +95,7 @@ def test_fused_vocab_stats_gradient_matches_autograd(dtype):
 
 
 def test_vocab_stats_chunks_match_one_pass(monkeypatch):
-    import summarizer.losses as losses
+    import summarizer.train.losses as losses
     torch.manual_seed(0)
     base, target = torch.randn(37, 13), torch.randint(0, 13, (37,))
     results = []
@@ -111,8 +111,8 @@ def test_vocab_stats_chunks_match_one_pass(monkeypatch):
 
 
 def test_fused_adamw_is_used_and_matches_the_loop():
-    from summarizer.config import ModelConfig
-    from summarizer.model import Seq2Seq
+    from summarizer.config.schema import ModelConfig
+    from summarizer.model.transformer import Seq2Seq
     params = {}
     for fused in (True, False):
         torch.manual_seed(0)

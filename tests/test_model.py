@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from summarizer.config import ModelConfig
-from summarizer.model import Seq2Seq
+from summarizer.config.schema import ModelConfig
+from summarizer.model.transformer import Seq2Seq
 
 FULL = {"activation": "gelu", "bias": True}  # the alternative the switches offer
 
@@ -96,7 +96,7 @@ def test_log_space_copy_mixture_equals_the_probability_space_one():
     """Correcting only the source's ids in log space gives log(g p_vocab + (1 - g) copy), repeated ids and
     padding included, for rows grouped by sentence (beams)."""
     from summarizer.bench.decoding_v1 import _log_probs as in_probability_space
-    from summarizer.model import DecoderOutput
+    from summarizer.model.transformer import DecoderOutput
     torch.manual_seed(0)
     src = torch.tensor([[7, 9, 7, 11, 0], [5, 5, 5, 6, 8]])  # ids repeated, one padded position
     r, t, s, v = 6, 3, 5, 20  # 3 rows per sentence
@@ -126,7 +126,7 @@ def test_lean_variant_drops_every_bias_but_the_gate_and_uses_relu():
 
 @pytest.mark.parametrize("copy", [False, True])
 def test_explicit_attention_computes_what_sdpa_does(copy):
-    from summarizer.model import explicit_attention
+    from summarizer.model.transformer import explicit_attention
     model = tiny_model(copy)
     src, tgt = torch.randint(4, 50, (3, 9)), torch.randint(4, 50, (3, 6))
     src[0, 5:] = 0
@@ -146,7 +146,7 @@ def test_explicit_attention_computes_what_sdpa_does(copy):
 
 
 def test_explicit_attention_survives_a_fully_masked_row():
-    from summarizer.model import attention_explicit
+    from summarizer.model.transformer import attention_explicit
     q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     out = attention_explicit(q, k, v, torch.zeros(1, 1, 1, 5, dtype=torch.bool), False, 0.0)
     assert torch.isfinite(out).all()

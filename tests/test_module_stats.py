@@ -5,10 +5,10 @@ import math
 import torch
 
 from summarizer import runtime
-from summarizer.config import Config, ModelConfig
-from summarizer.model import Seq2Seq
-from summarizer.module_stats import ModuleStats, activation_rms, group_of
-from summarizer.train import train_step
+from summarizer.config.schema import Config, ModelConfig
+from summarizer.model.transformer import Seq2Seq
+from summarizer.train.loop import train_step
+from summarizer.train.watch.module_stats import ModuleStats, activation_rms, group_of
 
 
 def tiny_model() -> Seq2Seq:

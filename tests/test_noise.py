@@ -1,8 +1,8 @@
 """Denoising examples: span masking on whole words, seeded by (seed, epoch, pair), cut with their target."""
 import numpy as np
 
-from summarizer.data import EpochBatch, PairDataset
-from summarizer.noise import SpanMasker
+from summarizer.data.batches import EpochBatch, PairDataset
+from summarizer.data.noise import SpanMasker
 
 MASK, TAG = 2, 3
 # Piece ids 10.. start a word when even: word k of a sentence is the pieces (10 + 2k, 11 + 2k) or (10 + 2k,).

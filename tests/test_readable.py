@@ -3,13 +3,13 @@ import pytest
 import torch
 
 from summarizer import runtime
-from summarizer.config import Config
-from summarizer.decoding import copied_unknowns
-from summarizer.evaluate import summary_text
-from summarizer.model import DecoderOutput
-from summarizer.prepared import open_tokenizer, read_meta
-from summarizer.readable import readable
-from summarizer.tokenizer import UNK
+from summarizer.config.schema import Config
+from summarizer.data.prepared import open_tokenizer, read_meta
+from summarizer.data.tokenizer import UNK
+from summarizer.decode.inference import summary_text
+from summarizer.decode.readable import readable
+from summarizer.decode.search import copied_unknowns
+from summarizer.model.transformer import DecoderOutput
 
 
 @pytest.mark.parametrize("summary, source, expected", [

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from summarizer import runtime
-from summarizer.config import ModelConfig, load_config
+from summarizer.config.load import load_config
+from summarizer.config.schema import ModelConfig
 from summarizer.errors import ConfigError
-from summarizer.model import Seq2Seq
-from summarizer.placement import PlacedSeq2Seq
+from summarizer.model.transformer import Seq2Seq
+from summarizer.runtime.placement import PlacedSeq2Seq
 
 
 @pytest.mark.parametrize("name, message", [("tpu", "unknown device|not supported"), ("cuda:0", "no CUDA GPU")])
@@ -23,7 +24,7 @@ def test_invalid_devices_are_refused_clearly(name, message):
 @pytest.mark.parametrize("host_bf16", [False, True], ids=["fp32-host", "bf16-host"])
 def test_precision_resolution_on_cpu(monkeypatch, capsys, host_bf16):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: host_bf16)
+    monkeypatch.setattr(runtime.device, "cpu_has_fast_bf16", lambda: host_bf16)
     assert runtime.resolve_precision("auto", cpu) == ("bf16" if host_bf16 else "fp32")
     assert runtime.resolve_precision("bf16", cpu) == "bf16"
     assert runtime.resolve_precision("fp16", cpu) == "fp16"  # for testing the loss-scaling path
@@ -60,11 +61,11 @@ def test_setup_single_process_cpu():
 def test_ddp_with_model_parallel_gives_each_rank_its_own_gpu_pair(monkeypatch):
     cuda = lambda i: torch.device("cuda", i)  # noqa: E731
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    assert runtime._per_rank_pair(cuda(0), cuda(1), local_rank=1) == (cuda(2), cuda(3))
-    assert runtime._per_rank_pair(cuda(0), torch.device("cpu"), local_rank=3) == (cuda(3), torch.device("cpu"))
+    assert runtime.device._per_rank_pair(cuda(0), cuda(1), local_rank=1) == (cuda(2), cuda(3))
+    assert runtime.device._per_rank_pair(cuda(0), torch.device("cpu"), local_rank=3) == (cuda(3), torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ConfigError, match="nproc_per_node=1"):
-        runtime._per_rank_pair(cuda(0), cuda(1), local_rank=1)
+        runtime.device._per_rank_pair(cuda(0), cuda(1), local_rank=1)
 
 
 def test_setup_flushes_denormals_when_asked():
@@ -77,7 +78,7 @@ def test_setup_flushes_denormals_when_asked():
 
 @pytest.mark.parametrize("backend,explicit", [("auto", True), ("explicit", True), ("math", False), ("default", False)])
 def test_cpu_attention_kernel_choice(backend, explicit):
-    from summarizer.model import _EXPLICIT_ATTENTION
+    from summarizer.model.transformer import _EXPLICIT_ATTENTION
     rt = runtime.setup(load_config(None, ["train.device=cpu", f"train.sdpa_backend={backend}"]))
     with rt.compute():
         assert _EXPLICIT_ATTENTION.get() is explicit
@@ -87,8 +88,8 @@ def test_cpu_attention_kernel_choice(backend, explicit):
 _CONV_TWICE = """
 import sys, torch
 from summarizer import runtime
-from summarizer.placement import PlacedSeq2Seq
-from summarizer.config import load_config
+from summarizer.runtime.placement import PlacedSeq2Seq
+from summarizer.config.load import load_config
 runtime.setup(load_config(None, ["train.device=cpu", "train.cpu_kernel_cache=" + sys.argv[1]]))
 weight = torch.randn(32, 16, 3)
 for _ in range(2):  # 20 distinct shapes, then the same 20 again
@@ -118,9 +119,9 @@ def test_cpu_kernel_cache_keeps_the_kernels_of_recurring_shapes():
 def test_fp16_loss_scaling_runs_on_the_cpu():
     """GradScaler("cpu"): gradients are unscaled before clipping (the logged norm is the true one), a step with
     an inf gradient is skipped and the scale backs off, and the next finite step updates the weights."""
-    from summarizer.config import Config, ModelConfig, TrainConfig
-    from summarizer.model import Seq2Seq
-    from summarizer.train import train_step
+    from summarizer.config.schema import Config, ModelConfig, TrainConfig
+    from summarizer.model.transformer import Seq2Seq
+    from summarizer.train.loop import train_step
     torch.manual_seed(0)
     cfg = Config()
     cfg.train.precision = "fp16"

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from summarizer.scoring import pair_scores, quality, rouge_report, truncate_bytes, unify_unk
+from summarizer.decode.inference import truncate_bytes
+from summarizer.evaluation.scoring import pair_scores, quality, rouge_report, unify_unk
 
 
 def test_rouge_of_a_text_against_itself_is_100():

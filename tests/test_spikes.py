@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import summarizer.train as train_mod
+import summarizer.train.loop as train_mod
 from summarizer.__main__ import main
-from summarizer.config import TrainConfig
-from summarizer.losses import smoothed_nll
-from summarizer.spikes import limit, remember, skipped, too_many
+from summarizer.config.schema import TrainConfig
+from summarizer.train.losses import smoothed_nll
+from summarizer.train.watch.spikes import limit, remember, skipped, too_many
 
 ROOT = Path(__file__).resolve().parent.parent
 

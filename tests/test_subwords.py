@@ -1,9 +1,9 @@
 import numpy as np
 
-from summarizer.config import load_config
-from summarizer.data import EpochBatch, PairDataset
-from summarizer.prepared import open_tokenizer, read_pairs
-from summarizer.subwords import SegmentationSampler
+from summarizer.config.load import load_config
+from summarizer.data.batches import EpochBatch, PairDataset
+from summarizer.data.prepared import open_tokenizer, read_pairs
+from summarizer.data.subwords import SegmentationSampler
 
 SOURCE = "the government of france said monday it would cut fuel taxes as part of a plan"
 TARGET = "france to cut fuel taxes"

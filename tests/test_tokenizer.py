@@ -1,12 +1,12 @@
-"""Tests for summarizer/tokenizer.py: normalisation, pinned special ids, lossless round trips."""
+"""Tests for summarizer/data/tokenizer.py: normalisation, pinned special ids, lossless round trips."""
 import hashlib
 import json
 
 import pytest
 
+from summarizer.data.prepared import open_tokenizer, read_meta
+from summarizer.data.tokenizer import BOS, EOS, PAD, UNK, UNK_WORD, Tokenizer, normalize
 from summarizer.errors import DataError
-from summarizer.prepared import open_tokenizer, read_meta
-from summarizer.tokenizer import BOS, EOS, PAD, UNK, UNK_WORD, Tokenizer, normalize
 
 
 @pytest.mark.parametrize("raw, lowercase, mask_digits, expected", [
@@ -120,7 +120,7 @@ def test_replaced_model_is_refused(tiny_prepared, tmp_path):
 
 
 def test_restore_digits_puts_back_what_masking_hid():
-    from summarizer.tokenizer import restore_digits
+    from summarizer.data.tokenizer import restore_digits
     source = "Shares fell 3.5 percent to 120 yen in 2024 , 12 analysts said ."
     assert restore_digits("shares fall #.# percent to ### yen", source) == "shares fall 3.5 percent to 120 yen"
     assert restore_digits("## analysts see ### yen", source) == "12 analysts see 120 yen"

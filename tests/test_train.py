@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from summarizer import runtime, validation
-from summarizer import train as train_mod
-from summarizer.config import load_config
-from summarizer.data import PairDataset, collate
+from summarizer import runtime
+from summarizer.config.load import load_config
+from summarizer.data.batches import PairDataset, collate
 from summarizer.errors import ConfigError, DataError
-from summarizer.model import Seq2Seq
-from summarizer.optim import build_optimizer
+from summarizer.model.transformer import Seq2Seq
 from summarizer.runtime import move_batch
+from summarizer.train import loop as train_mod
+from summarizer.train import validation
+from summarizer.train.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.d_model=32", "model.n_heads=4", "model.encoder_layers=1", "model.decoder_layers=1",
@@ -358,8 +359,8 @@ def test_data_settings_that_contradict_the_prepared_data_are_refused(tiny_data, 
 def test_the_first_non_finite_value_is_named_by_module(tiny_data, tmp_path, monkeypatch):
     """An injected fault: one feed-forward block's output turns NaN. The step is skipped, the log names the module
     and the batch's place in the data order, and the abort (max_bad_steps) repeats it."""
-    from summarizer import session as session_mod
-    from summarizer.train import TrainingAborted
+    from summarizer.train import session as session_mod
+    from summarizer.train.loop import TrainingAborted
     build = session_mod.build
 
     def poisoned(*args, **kwargs):
@@ -374,9 +375,9 @@ def test_the_first_non_finite_value_is_named_by_module(tiny_data, tmp_path, monk
 
 
 def test_a_nan_gradient_is_traced_to_its_module_in_backward():
-    from summarizer.config import Config, ModelConfig
-    from summarizer.model import Seq2Seq
-    from summarizer.nonfinite import first_nonfinite
+    from summarizer.config.schema import Config, ModelConfig
+    from summarizer.model.transformer import Seq2Seq
+    from summarizer.train.watch.nonfinite import first_nonfinite
     model = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32), 30)
     def poison(module, inputs, output):  # the gradient reaching the encoder's first layer's output turns NaN
         output.register_hook(lambda grad: grad * float("nan"))
@@ -393,7 +394,7 @@ def test_denoising_examples_are_masked_in_training_and_resume_exactly(tmp_path, 
     """Unpaired sentences in the train split: their sources reach the model masked (and only theirs), drawn per
     (seed, epoch, pair), so a run resumed from a checkpoint logs the losses of an uninterrupted one."""
     from data_prep import prepare
-    from summarizer import noise
+    from summarizer.data import noise
     records = [json.loads(line) for line in (ROOT / "tests/assets/tiny/train.jsonl").read_text().splitlines()]
     text = tmp_path / "text.jsonl"
     text.write_text("".join(json.dumps({"text": r["source"]}) + "\n" for r in records[:150]))
@@ -417,8 +418,8 @@ def test_denoising_examples_are_masked_in_training_and_resume_exactly(tmp_path, 
 def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_fresh_optimizer(tiny_data, tmp_path):
     """train.init_from: a new run's model starts as the checkpoint's (dropout may differ), its optimizer and
     schedule from step 0; a resumed run ignores it; another model or a missing file is refused by name."""
-    from summarizer import checkpoint
-    from summarizer.session import initial_weights
+    from summarizer.model import checkpoint
+    from summarizer.train.session import initial_weights
     train_mod.train(make_cfg(tiny_data, tmp_path / "pre", "train.max_steps=20", "train.ema_decay=0"))
     pre = tmp_path / "pre" / "ckpt_00000020.pt"
     extra = [f"train.init_from={pre}", "train.max_steps=5", "train.log_every=1", "train.lr=1e-9", "train.ema_decay=0"]
@@ -448,7 +449,7 @@ def test_the_moving_average_is_debiased_from_the_first_step():
     whose weights torch's own EMA keeps at d**t (for a fine-tuning, the pre-trained model)."""
     from torch.optim.swa_utils import AveragedModel
 
-    from summarizer.session import debiased_ema
+    from summarizer.train.session import debiased_ema
     d, model = 0.9, torch.nn.Linear(3, 2)
     ema = AveragedModel(model, multi_avg_fn=debiased_ema(d))
     seen = []

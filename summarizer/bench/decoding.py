@@ -15,15 +15,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from summarizer import checkpoint, runtime
+from summarizer import runtime
 from summarizer.bench import decoding_v1
-from summarizer.config import Config
-from summarizer.data import pad_sources
-from summarizer.decoding import decode_all
-from summarizer.prepared import lexicon, load_split, open_tokenizer, read_meta, read_pairs
-from summarizer.quantize import decoding_form, decoding_precision, resolve_quantize
-from summarizer.scoring import rouge_report
-from summarizer.session import build
+from summarizer.config.schema import Config
+from summarizer.data.batches import pad_sources
+from summarizer.data.prepared import load_split, open_tokenizer, read_meta, read_pairs
+from summarizer.decode.constraints import lexicon
+from summarizer.decode.quantize import decoding_form, decoding_precision, resolve_quantize
+from summarizer.decode.search import decode_all
+from summarizer.evaluation.scoring import rouge_report
+from summarizer.model import checkpoint
+from summarizer.train.session import build
 
 
 def weights(cfg: Config) -> Path:
@@ -166,7 +168,7 @@ def file_row(cfg: Config) -> dict:
     """Decoding as other toolkits time it: a file of raw text (`eval.pairs`, else the prepared test split) with
     the default eval, greedy and beam 4 taking turns, and start-up (the checkpoint, its int8 or bf16 form, the
     word rules' lexicon, reading and tokenizing the file) timed apart from decoding."""
-    from summarizer.evaluate import load_model, read_eval_pairs
+    from summarizer.decode.inference import load_model, read_eval_pairs
     lexicon.cache_clear()  # built from scratch, as a fresh process would
     started = time.perf_counter()
     rt = runtime.setup(cfg, decoding_precision(cfg))

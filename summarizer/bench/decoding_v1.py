@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from summarizer.model import DecoderOutput, Seq2Seq
-from summarizer.tokenizer import BOS, EOS, PAD
+from summarizer.data.tokenizer import BOS, EOS, PAD
+from summarizer.model.transformer import DecoderOutput, Seq2Seq
 
 
 def _block_repeats(log_probs: Tensor, prefixes: Tensor, n: int) -> Tensor:

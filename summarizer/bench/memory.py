@@ -6,8 +6,9 @@ import multiprocessing as mp
 import torch
 
 from summarizer import runtime
-from summarizer.config import Config, from_dict, to_dict
-from summarizer.monitor import current_memory_mb, peak_memory_mb
+from summarizer.config.load import from_dict, to_dict
+from summarizer.config.schema import Config
+from summarizer.train.watch.monitor import current_memory_mb, peak_memory_mb
 
 
 def _child(target, args: tuple, queue) -> None:
@@ -42,10 +43,10 @@ def _synthetic_batch(cfg: Config, batch_tokens: int, vocab: int) -> dict:
 
 def _measure(cfg_dict: dict, variant: str, steps: int, batch_tokens: int) -> dict:
     """Run `steps` steps of one variant; report the peak memory above the post-setup baseline."""
-    from summarizer.losses import smoothed_nll
-    from summarizer.prepared import read_meta
+    from summarizer.data.prepared import read_meta
     from summarizer.runtime import move_batch
-    from summarizer.session import build
+    from summarizer.train.losses import smoothed_nll
+    from summarizer.train.session import build
     cfg = from_dict(cfg_dict)
     rt = runtime.setup(cfg)
     torch.manual_seed(0)

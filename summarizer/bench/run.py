@@ -15,16 +15,18 @@ import torch
 from summarizer import runtime
 from summarizer.bench import memory as bench_memory
 from summarizer.bench.decoding import decode_row, file_row, profile_row, summarize_row, weights
-from summarizer.config import Config, from_dict, to_dict
-from summarizer.data import PairDataset, TokenBatchSampler, make_loader, padding_fraction
-from summarizer.decoding import decode_all
-from summarizer.flops import batch_flops
-from summarizer.module_stats import ModuleStats
+from summarizer.config.load import from_dict, to_dict
+from summarizer.config.schema import Config
+from summarizer.data.batches import PairDataset, TokenBatchSampler, make_loader, padding_fraction
+from summarizer.data.prepared import read_meta, valid_split
+from summarizer.decode.constraints import lexicon
+from summarizer.decode.search import decode_all
 from summarizer.outputs import atomic_write, claim_dir
-from summarizer.prepared import lexicon, read_meta, valid_split
 from summarizer.runtime import move_batch
-from summarizer.session import batches_forever, build
-from summarizer.train import train_step
+from summarizer.train.loop import train_step
+from summarizer.train.session import batches_forever, build
+from summarizer.train.watch.flops import batch_flops
+from summarizer.train.watch.module_stats import ModuleStats
 
 
 def variant(cfg: Config, *overrides: tuple[str, str, object]) -> Config:

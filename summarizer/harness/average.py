@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from summarizer import checkpoint
-from summarizer.config import Config, load_config
+from summarizer.config.load import load_config
+from summarizer.config.schema import Config
 from summarizer.errors import CheckpointError
+from summarizer.model import checkpoint
 
 _STEP_FILE = re.compile(r"ckpt_(\d+)\.pt$")
 

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
+from summarizer.data.pairs import read_pairs_file
+from summarizer.data.prepared import read_pairs
+from summarizer.decode.inference import truncate_bytes
 from summarizer.errors import UserError
+from summarizer.evaluation.scoring import MEASURES, ROUGE_TYPES, bootstrap_means, pair_scores
 from summarizer.outputs import check_report_target, write_report
-from summarizer.pairs import read_pairs_file
-from summarizer.prepared import read_pairs
-from summarizer.scoring import MEASURES, ROUGE_TYPES, bootstrap_means, pair_scores, truncate_bytes
 
 NAMES = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L"}
 PREDICTIONS = "predictions.txt"

@@ -12,10 +12,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from summarizer import checkpoint
-from summarizer.config import load_config, rules, to_dict
+from summarizer.config.load import load_config, to_dict
+from summarizer.config.schema import rules
 from summarizer.errors import ConfigError, UserError
-from summarizer.scoring import ROUGE_TYPES
+from summarizer.evaluation.scoring import ROUGE_TYPES
+from summarizer.model import checkpoint
 
 DEFAULT_ROOT = Path("checkpoints")
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "configs" / "base.yaml"
@@ -138,8 +139,8 @@ def run_row(run_dir: Path, recipe: dict) -> dict:
 
 
 def _train_flops(records: list[dict]) -> float | None:
-    """Model FLOPs the run trained with (summarizer/flops.py: real tokens, forward + backward), so cost compares
-    in FLOPs across machines, not minutes; None for runs that did not log them."""
+    """Model FLOPs the run trained with (summarizer/train/watch/flops.py: real tokens, forward + backward), so
+    cost compares in FLOPs across machines, not minutes; None for runs that did not log them."""
     logged = [r["train_flops"] for r in records if r.get("split") == "train" and "train_flops" in r]
     return float(sum(logged)) if logged else None
 

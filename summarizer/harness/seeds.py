@@ -9,14 +9,15 @@ from pathlib import Path
 
 import numpy as np
 
-from summarizer import checkpoint
-from summarizer.config import Config, TrainConfig, load_config
+from summarizer.config.load import load_config
+from summarizer.config.schema import Config, TrainConfig
+from summarizer.data.prepared import read_pairs
 from summarizer.errors import ConfigError
-from summarizer.evaluate import evaluate
+from summarizer.evaluation.evaluate import evaluate
+from summarizer.evaluation.scoring import ROUGE_TYPES
+from summarizer.model import checkpoint
 from summarizer.outputs import check_report_target, write_report
-from summarizer.prepared import read_pairs
-from summarizer.scoring import ROUGE_TYPES
-from summarizer.train import train
+from summarizer.train.loop import train
 
 NAMES = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L"}
 # rouge.json settings that must equal the current eval config for an evaluation to be reused

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from summarizer.bench.run import NOT_HERE, markdown, rows, run_bench
-from summarizer.config import load_config
+from summarizer.config.load import load_config
 from summarizer.errors import ConfigError
 
 TINY = ["model.d_model=32", "model.ffn_dim=64", "model.encoder_layers=1", "model.decoder_layers=1",

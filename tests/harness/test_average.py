@@ -4,10 +4,10 @@ import shutil
 import pytest
 import torch
 
-from summarizer import checkpoint
-from summarizer.config import load_config
+from summarizer.config.load import load_config
 from summarizer.errors import CheckpointError
 from summarizer.harness.average import average_checkpoints, checkpoints_by_step
+from summarizer.model import checkpoint
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from summarizer.evaluation.scoring import rouge_report
 from summarizer.harness.compare import CompareError, compare, pair_scores, permutation_means, significance
-from summarizer.scoring import rouge_report
 
 TINY = Path(__file__).resolve().parents[1] / "assets" / "tiny"
 TEST_PAIRS = [json.loads(line) for line in (TINY / "test.jsonl").read_text().splitlines()]

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from summarizer import checkpoint
-from summarizer.config import load_config, save_config
+from summarizer.config.load import load_config, save_config
 from summarizer.harness.report import collect, markdown
-from summarizer.monitor import write_manifest
+from summarizer.model import checkpoint
+from summarizer.train.watch.monitor import write_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "configs" / "base.yaml"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import yaml
 
-from summarizer.config import load_config
+from summarizer.config.load import load_config
 from summarizer.errors import ConfigError
 from summarizer.harness import seeds
 

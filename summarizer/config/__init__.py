@@ -1,0 +1,1 @@
+"""Layer 1, the config: the typed schema, its checks, loading, and what may change on resume."""

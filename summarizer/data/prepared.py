@@ -1,0 +1,152 @@
+"""Reads a prepared data dir: meta.json and memory-mapped token arrays."""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from summarizer.config.schema import DataConfig
+from summarizer.errors import ConfigError, DataError
+from summarizer.data.tokenizer import UNK_WORD, Tokenizer
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+SPM_FILE = "spm.model"
+_PREP_HINT = "run `make prep CONFIG=...` (python -m data_prep --config FILE) to prepare it"
+
+
+class SplitArrays(NamedTuple):
+    """Flat token ids of all pairs; pair i's source is src[src_offsets[i]:src_offsets[i + 1]]."""
+    src: np.ndarray
+    src_offsets: np.ndarray
+    tgt: np.ndarray
+    tgt_offsets: np.ndarray
+
+
+def split_files(split: str) -> dict[str, str]:
+    """File names of one split, keyed by role; prep writes exactly these."""
+    return {"src": f"{split}.src.npy", "src_offsets": f"{split}.src_offsets.npy",
+            "tgt": f"{split}.tgt.npy", "tgt_offsets": f"{split}.tgt_offsets.npy",
+            "pairs": f"{split}.jsonl"}
+
+
+def check_data_settings(cfg: DataConfig, meta: dict) -> None:
+    """Refuse data.* values that contradict what the prepared dir was made with: normalisation and vocabulary
+    are facts of the prepared data (meta.json), applied from there; a different value would be recorded as if
+    it had been used, and silently not be."""
+    norm = meta.get("normalization", {})
+    recorded = {"lowercase": norm.get("lowercase"), "mask_digits": norm.get("mask_digits"),
+                "source_tag": norm.get("source_tag", ""), "vocab_size": meta.get("requested_vocab_size")}
+    wrong = [f"data.{k}={getattr(cfg, k)!r} (prepared with {v!r})" for k, v in recorded.items()
+             if v is not None and getattr(cfg, k) != v]
+    if wrong:
+        raise ConfigError(f"{'; '.join(wrong)} contradicts the prepared data in {cfg.dir}, which is applied as it was "
+                          f"prepared: drop the override, or prepare a new data.dir with it")
+
+
+def valid_split(meta: dict, speed_only: bool = False) -> str:
+    """The split validation reads: `valid`. Without one, training would validate on, and pick best.pt by, its
+    own training pairs while calling them valid: refused, unless the caller only measures speed (the bench)."""
+    if "valid" in meta["splits"]:
+        return "valid"
+    if speed_only:
+        return "train"
+    raise DataError(f"the prepared data has no valid split (prepared: {', '.join(meta['splits'])}), so validation "
+                    f"and the choice of best.pt would measure the training pairs. Map one (data.splits.valid=[NAME]) "
+                    f"or hold pairs out of train (data.valid_holdout=500), then run prep again")
+
+
+def read_meta(data_dir: str | Path) -> dict:
+    data_dir = Path(data_dir)
+    path = data_dir / META_FILE
+    if not data_dir.is_dir():
+        raise DataError(f"prepared data dir {data_dir} does not exist: {_PREP_HINT}")
+    if not path.is_file():
+        raise DataError(f"{data_dir} has no {META_FILE} (not prepared, or prep was interrupted): {_PREP_HINT}")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path} is not valid JSON ({exc}): delete it and {_PREP_HINT}") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise DataError(f"{path} has format_version {meta.get('format_version')!r}, this code reads "
+                        f"{FORMAT_VERSION}: delete {data_dir} and {_PREP_HINT}")
+    return meta
+
+
+def _check_split(data_dir: Path, split: str, meta: dict) -> None:
+    if split not in meta["splits"]:
+        raise DataError(f"split '{split}' was not prepared in {data_dir} (prepared: "
+                        f"{', '.join(meta['splits']) or 'none'}): map it in data.splits and re-run prep")
+
+
+def load_split(data_dir: str | Path, split: str) -> SplitArrays:
+    """Memory-mapped (read-only) arrays: opening is instant and DataLoader workers share the pages."""
+    data_dir = Path(data_dir)
+    meta = read_meta(data_dir)
+    _check_split(data_dir, split, meta)
+    files = split_files(split)
+    arrays = {}
+    for role in ("src", "src_offsets", "tgt", "tgt_offsets"):
+        path = data_dir / files[role]
+        if not path.is_file():
+            raise DataError(f"{path} is missing although meta.json lists split '{split}': "
+                            f"delete {data_dir / META_FILE} and {_PREP_HINT}")
+        arrays[role] = np.load(path, mmap_mode="r")
+    return SplitArrays(**arrays)
+
+
+def read_pairs(data_dir: str | Path, split: str) -> list[dict]:
+    """The cleaned text pairs of a split ({"source", "target"[, "references"]}), in array order."""
+    data_dir = Path(data_dir)
+    _check_split(data_dir, split, read_meta(data_dir))
+    path = data_dir / split_files(split)["pairs"]
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+@functools.lru_cache(maxsize=4)
+def training_words(data_dir: str | Path) -> frozenset[str]:
+    """Every word of the prepared train split's text (sources and targets, as normalised): the vocabulary
+    a summary's words are checked against (with its own source's)."""
+    known: set[str] = set()
+    for pair in read_pairs(data_dir, "train"):
+        known.update(pair["source"].lower().split())
+        known.update(pair["target"].lower().split())
+    return frozenset(known)
+
+
+def open_tokenizer(data_dir: str | Path) -> Tokenizer:
+    """The dir's tokenizer, checked against the sha256 that meta.json recorded."""
+    data_dir = Path(data_dir)
+    meta = read_meta(data_dir)
+    tokenizer = Tokenizer(data_dir / meta["spm_model"])
+    if tokenizer.sha256 != meta["spm_sha256"]:
+        raise DataError(f"{data_dir / meta['spm_model']} does not match the sha256 in meta.json "
+                        f"(the model was replaced after prep): delete {data_dir} and {_PREP_HINT}")
+    return tokenizer
+
+
+def source_weights(cfg: DataConfig, meta: dict, count: int) -> np.ndarray | None:
+    """Per train pair (the first `count`), how many times an epoch it is drawn on average: data.source_weights'
+    value for its source tag, 1 for a tag it does not name; None when it names none."""
+    if not cfg.source_weights:
+        return None
+    tags = meta["splits"]["train"].get("pairs_by_tag", {})
+    unknown = sorted(set(cfg.source_weights) - set(tags))
+    if unknown:
+        named = ", ".join(t for t in sorted(tags) if t != "(untagged)") or "none"
+        raise ConfigError(f"data.source_weights names {', '.join(map(str, unknown))}, not a source tag of the train "
+                          f"split in {cfg.dir} (tags: {named}); tag a data.source entry (`tag: NAME`) and prepare "
+                          f"again, or drop the name")
+    bad = {k: v for k, v in cfg.source_weights.items()
+           if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0}
+    if bad:
+        raise ConfigError(f"data.source_weights must map tags to finite numbers >= 0, got {bad}")
+    weights = np.array([float(cfg.source_weights.get(p.get("tag", ""), 1.0))
+                        for p in read_pairs(cfg.dir, "train")[:count]])
+    if not weights.any():
+        raise ConfigError("data.source_weights weights every train pair 0: nothing would be drawn")
+    return weights

@@ -1,0 +1,134 @@
+"""SentencePiece wrapper with pinned special ids, and the text normalisation shared by prep and inference."""
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import sentencepiece as spm
+
+from summarizer.errors import DataError
+
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+# Gigaword's own unknown *word*; a user-defined piece (one id), distinct from SentencePiece's UNK.
+UNK_WORD = "<unk>"
+# The piece of a source tag (data.source_tag): one user-defined piece per tag, first on the encoder input.
+TAG_PIECE = "<tag:{}>"
+# Stands for a masked span of words in the encoder input of a denoising example (summarizer/data/noise.py).
+MASK_PIECE = "<mask>"
+
+# Gigaword writes the unknown word `<unk>` in train/valid but `UNK` in its test set
+# (https://github.com/harvardnlp/sent-summary); only a whole-word UNK is that token.
+_UNK_UPPER_RE = re.compile(r"(?<!\S)UNK(?!\S)")
+_UNK_TAG_RE = re.compile(r"<unk>", re.IGNORECASE)
+_DIGIT_RE = re.compile(r"\d")
+
+
+def normalize(text: str, lowercase: bool, mask_digits: bool) -> str:
+    """The one text normalisation, applied at prep and again to `summarize` input."""
+    # UNK before lowercasing: after it, a real word "unk" would be indistinguishable.
+    text = _UNK_UPPER_RE.sub(UNK_WORD, text)
+    text = _UNK_TAG_RE.sub(UNK_WORD, text)
+    if lowercase:
+        text = text.lower()
+    if mask_digits:
+        text = _DIGIT_RE.sub("#", text)
+    return " ".join(text.split())
+
+
+def restore_digits(summary: str, source: str) -> str:
+    """Undo digit masking where the source tells how: each masked word of `summary` (`##.#`) becomes the first
+    word of the raw `source` that masks to it (`12.5`), in the summary's case. Words the source cannot
+    explain stay as they are, so text whose digits were masked before it came in is left unchanged."""
+    lower = summary == summary.lower()
+    originals: dict[str, str] = {}
+    for word in source.split():
+        word = word.lower() if lower else word
+        masked = _DIGIT_RE.sub("#", word)
+        if masked != word:
+            originals.setdefault(masked, word)
+    return " ".join(originals.get(w, w) for w in summary.split(" ")) if originals else summary
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+class Tokenizer:
+    """Text <-> ids. Sequences carry no BOS/EOS: the data loader adds them where the model needs them."""
+
+    def __init__(self, model_path: str | Path):
+        path = Path(model_path)
+        if not path.is_file():
+            raise DataError(f"SentencePiece model {path} does not exist: run `make prep CONFIG=...` "
+                            f"(python -m data_prep --config ...) to create it")
+        self.path = path
+        self.sha256 = file_sha256(path)
+        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        pinned = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
+        if pinned != (PAD, UNK, BOS, EOS):
+            raise DataError(f"{path} has special ids pad/unk/bos/eos = {pinned}, expected "
+                            f"{(PAD, UNK, BOS, EOS)}: re-run prep to train a model with pinned ids")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text, out_type=int)
+
+    def tag_id(self, tag: str) -> int:
+        """The id of source tag `tag`'s piece."""
+        piece = TAG_PIECE.format(tag)
+        if self.sp.piece_to_id(piece) == self.sp.unk_id():
+            raise DataError(f"{self.path} has no piece {piece}: the data was prepared without that source tag")
+        return self.sp.piece_to_id(piece)
+
+    def mask_id(self) -> int:
+        """The id of the mask piece, which data with unpaired sentences is prepared with."""
+        if self.sp.piece_to_id(MASK_PIECE) == self.sp.unk_id():
+            raise DataError(f"{self.path} has no piece {MASK_PIECE}: the data was prepared without unpaired sentences")
+        return self.sp.piece_to_id(MASK_PIECE)
+
+    def encode_raw(self, text: str, normalization: dict) -> list[int]:
+        """Raw text (as a user types it) -> ids, normalised as the training data was (meta.json's `normalization`),
+        after the piece of its `source_tag` where the data has tags."""
+        tag = normalization.get("source_tag")
+        ids = self.encode(normalize(text, normalization["lowercase"], normalization["mask_digits"]))
+        return [self.tag_id(tag), *ids] if tag else ids
+
+    def pieces_raw(self, text: str, normalization: dict) -> list[str]:
+        """The pieces of `encode_raw(text, normalization)`, one per id."""
+        tag = normalization.get("source_tag")
+        pieces = self.pieces(normalize(text, normalization["lowercase"], normalization["mask_digits"]))
+        return [TAG_PIECE.format(tag), *pieces] if tag else pieces
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(list(texts), out_type=int)
+
+    def pieces(self, text: str) -> list[str]:
+        """`text`'s pieces as strings, one per id of `encode(text)`; an unknown piece (UNK) is the characters
+        it stands for."""
+        return self.sp.encode(text, out_type=str)
+
+    def decode(self, ids, unknown: dict[int, str] | None = None) -> str:
+        """Stops at the first EOS; PAD and BOS are skipped wherever they appear. With `unknown`, the UNK at
+        position t of `ids` is written as `unknown[t]` (the characters it was copied from), else as SentencePiece
+        writes any UNK, `\u2047`."""
+        kept = []
+        for i in ids:
+            i = int(i)
+            if i == EOS:
+                break
+            kept.append(i)
+        if unknown is None:
+            return self.sp.decode([i for i in kept if i not in (PAD, BOS)])
+        text = "".join(unknown.get(t, "\u2047") if i == UNK else self.sp.id_to_piece(i)
+                       for t, i in enumerate(kept) if i not in (PAD, BOS))
+        return " ".join(text.replace("\u2581", " ").split())
+
+    def decode_batch(self, batch) -> list[str]:
+        return [self.decode(ids) for ids in batch]
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"

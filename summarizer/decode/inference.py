@@ -1,0 +1,101 @@
+"""Loading a trained model to decode with, for every command that decodes (eval, summarize, bench), and the
+text of a decoded summary."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from summarizer.config.schema import Config
+from summarizer.data.pairs import read_pairs_file
+from summarizer.data.prepared import load_split, read_pairs
+from summarizer.data.tokenizer import Tokenizer, restore_digits
+from summarizer.decode.quantize import decoding_form, resolve_quantize
+from summarizer.decode.readable import readable
+from summarizer.errors import CheckpointError, ConfigError, DataError
+from summarizer.model import checkpoint
+from summarizer.runtime import Runtime
+from summarizer.runtime.placement import place_model
+
+
+def load_model(path: str | Path, rt: Runtime, meta: dict, quantize: str = "none") -> tuple[torch.nn.Module, dict]:
+    """The checkpoint's own model (its config, not the current one), placed, in eval mode, int8 if
+    `quantize` (eval.quantize) says so, and (path, step, quantize as resolved); refused if `meta` (the data
+    it will read) has another tokenizer."""
+    try:
+        state = checkpoint.require_model(checkpoint.load(path), path)
+    except CheckpointError as exc:
+        others = [p for p in checkpoint.step_checkpoints(Path(path).parent) if p != Path(path)]
+        if not others:
+            raise
+        raise CheckpointError(f"{exc}. Checkpoints of the same run that could replace it: "
+                              f"{', '.join(str(p) for p in others)}; use one with eval.checkpoint=PATH") from None
+    checkpoint.check_tokenizer(state["data_meta"], meta, f"checkpoint {path}")
+    quantize = resolve_quantize(quantize, rt)
+    model = decoding_form(checkpoint.restore_model(state), rt, quantize)
+    return place_model(model, rt).eval(), {"path": str(path), "step": state["step"], "quantize": quantize}
+
+
+def check_beam(cfg: Config, meta: dict) -> None:
+    """Beam search keeps the 2K best of the vocabulary at its first step: K can be at most half of it."""
+    if 2 * cfg.eval.beam_size > meta["vocab_size"]:
+        raise ConfigError(f"eval.beam_size={cfg.eval.beam_size} needs a vocabulary of at least "
+                          f"{2 * cfg.eval.beam_size} pieces; this data's has {meta['vocab_size']}: lower "
+                          f"eval.beam_size")
+
+
+def eval_checkpoint(cfg: Config) -> Path:
+    """`eval.checkpoint`, or the run's best."""
+    return Path(cfg.eval.checkpoint) if cfg.eval.checkpoint else cfg.run_dir / checkpoint.BEST
+
+
+def summary_text(ids: list[int], source: str, tokenizer: Tokenizer, meta: dict, limit: int,
+                 copied: dict[int, int] | None = None) -> str:
+    """A decoded summary as scorers see it (or, given `copied` from decoding.copied_unknowns, as readers do:
+    each unknown piece written as the source characters it was copied from, and summarizer/decode/readable.py):
+    masked digits put back from its source, cut to the whole words that fit in `limit` bytes
+    (eval.truncate_bytes; 0 = whole)."""
+    norm = meta["normalization"]
+    if copied is None:
+        text = tokenizer.decode(ids)
+    else:
+        pieces = tokenizer.pieces_raw(source, norm)
+        text = tokenizer.decode(ids, {t: pieces[s] for t, s in copied.items() if s < len(pieces)})
+    if norm["mask_digits"]:
+        text = restore_digits(text, source)
+    if copied is not None:
+        text = readable(text, source)
+    return truncate_bytes(text.replace("\n", " "), limit, whole_words=True)
+
+
+def truncate_bytes(text: str, limit: int, whole_words: bool = False) -> str:
+    """The first `limit` bytes of `text` in UTF-8, never cutting a character in two (0 = no limit).
+
+    Like ROUGE-1.5.5's `-b`, the cut may fall inside a word and keep part of it; with `whole_words`, a
+    word the cut would split is dropped instead, so a summary shown to a reader holds no broken word.
+    """
+    if limit <= 0 or len(text.encode("utf-8")) <= limit:
+        return text
+    cut = text.encode("utf-8")[:limit].decode("utf-8", errors="ignore")
+    if whole_words and not text[len(cut)].isspace():
+        cut = cut[:cut.rfind(" ") + 1] if " " in cut else ""
+    return cut.rstrip() if whole_words else cut
+
+
+def read_eval_pairs(cfg: Config, meta: dict, tokenizer: Tokenizer) -> tuple[str, list[dict], list[list[int]]]:
+    """(name, pairs, source ids) of what `eval` scores: `eval.pairs` (a pairs file of raw text, normalised and
+    tokenized here as the run's training data was) or the prepared split `eval.split`."""
+    e = cfg.eval
+    if e.pairs:
+        pairs = read_pairs_file(e.pairs)[:e.limit or None]
+        ids = [tokenizer.encode_raw(p["source"], meta["normalization"])[:cfg.data.max_source_len] for p in pairs]
+        return Path(e.pairs).name, pairs, ids
+    if e.split not in meta["splits"]:
+        raise DataError(f"split '{e.split}' was not prepared in {cfg.data.dir} (prepared: "
+                        f"{', '.join(meta['splits'])}); map it in data.splits and re-run prep, set eval.split, "
+                        f"or score a pairs file with eval.pairs=PATH")
+    pairs = read_pairs(cfg.data.dir, e.split)[:e.limit or None]
+    arrays = load_split(cfg.data.dir, e.split)
+    ids = [arrays.src[arrays.src_offsets[i]:arrays.src_offsets[i + 1]][:cfg.data.max_source_len].tolist()
+           for i in range(len(pairs))]
+    return e.split, pairs, ids

@@ -1,0 +1,77 @@
+"""The form a trained model decodes in: dynamic int8 linear layers for CPU decoding in fp32
+(eval.quantize=int8), or linear layers stored in 16 bit where decoding computes in 16 bit.
+
+Every linear layer, and the output projection onto the vocabulary (tied to the embedding, so given
+its own int8 copy here), computes with int8 weights and activations quantized on the fly
+(torch.ao.quantization.quantize_dynamic, fbgemm/oneDNN kernels); embeddings, norms, attention
+scores and the copy mixture stay in float32. Weights shrink 4x and the matmuls run faster; the
+cost in ROUGE is measured by `make bench` and on both dev sets with three seeds (docs/results.md):
+within the seeds' noise, so `auto` (the default) decodes in int8 wherever the CPU would decode in fp32.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+
+from summarizer.config.schema import Config
+from summarizer.errors import ConfigError
+from summarizer.model.transformer import Seq2Seq
+from summarizer.runtime import Runtime
+
+
+def resolve_quantize(requested: str, rt: Runtime) -> str:
+    """eval.quantize as decoding runs it: `auto` is int8 where the model decodes on the CPU in fp32, and none
+    where it decodes in 16 bit (a GPU, or a CPU with fast bf16: eval.precision)."""
+    if requested != "auto":
+        return requested
+    on_cpu = rt.device.type == "cpu" and rt.decoder_device.type == "cpu"
+    return "int8" if on_cpu and rt.precision == "fp32" else "none"
+
+
+def decoding_precision(cfg: Config) -> str:
+    """The precision decoding runs in: eval.precision, except that int8 layers compute on float32
+    activations, so an explicit eval.quantize=int8 decodes in fp32 where eval.precision is auto (which
+    would pick bf16 on a CPU with fast bf16) and is refused beside a 16-bit eval.precision."""
+    e = cfg.eval
+    if e.quantize != "int8":
+        return e.precision
+    if e.precision in ("bf16", "fp16"):
+        raise ConfigError(f"eval.quantize=int8 computes in float32 and cannot decode in eval.precision={e.precision}; "
+                          f"choose one: eval.quantize=none for {e.precision}, or eval.precision=auto|fp32 for int8")
+    return "fp32"
+
+
+def decoding_form(model: Seq2Seq, rt: Runtime, quantize: str) -> nn.Module:
+    """`model` as decoding runs it: int8 linear layers (`quantize`, resolved), or, where decoding computes
+    in 16 bit (rt.precision), every linear layer's weights stored in that dtype, in place. Autocast keeps
+    no casts under torch.inference_mode, where decoding runs, so float32 weights would be cast again at
+    every step (twenty-odd casts a step for the recipe's decoder); cast once, the numbers are the same.
+    Embedding and norms stay float32, as autocast computes them."""
+    if quantize == "int8":
+        return quantize_int8(model, rt.device)
+    if rt.precision != "fp32":
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.to(rt.dtype)
+    return model
+
+
+def quantize_int8(model: Seq2Seq, device: torch.device) -> nn.Module:
+    """A copy of `model` for decoding on the CPU with int8 linear layers; `model` itself is left as it was."""
+    if device.type != "cpu":
+        raise ConfigError(f"eval.quantize=int8 is a CPU decoding mode (device {device}); on a GPU decode in "
+                          f"bf16 or fp16 (eval.precision) instead")
+    model = copy.deepcopy(model).eval()
+    vocab, d_model = model.embedding.weight.shape
+    model.vocab_projection = nn.Linear(d_model, vocab, bias=False)
+    with torch.no_grad():
+        model.vocab_projection.weight.copy_(model.embedding.weight)
+    with warnings.catch_warnings():
+        # torch marks its eager quantization API for migration to the separate torchao package; it is
+        # still torch's own, needs nothing installed, and is what this mode is built on.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)

@@ -1,0 +1,292 @@
+"""Batched greedy and beam search as free functions over a model's `encode`/`decode`, with the KV cache;
+`decode_all`, the one entry point every decode in the product goes through.
+
+Only the work that changes is done per step: what the decoder derives from a sentence's memory is
+computed once and shared by its beams (model.start_decoding), a sentence leaves the batch (and the
+cache) as soon as it is finished, and beams are reordered by one gather of the self-attention cache.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from summarizer import runtime
+from summarizer.config.schema import EvalConfig
+from summarizer.data.batches import pad_sources
+from summarizer.data.tokenizer import BOS, EOS, PAD, UNK
+from summarizer.decode.constraints import Lexicon, WordRules
+
+
+def _block_repeats(log_probs: Tensor, prefixes: Tensor, n: int) -> Tensor:
+    """Forbid tokens that would repeat an n-gram already in each prefix. (N, V) scores, (N, L) prefixes."""
+    length = prefixes.shape[1]
+    if n <= 0 or length < n:
+        return log_probs
+    # Every n-gram of each prefix as a row; the (n-1)-gram that ends the prefix picks the banned tokens.
+    grams = prefixes.unfold(1, n, 1)  # (N, L-n+1, n)
+    tail = prefixes[:, length - n + 1:]  # (N, n-1)
+    hits = (grams[:, :, :-1] == tail[:, None, :]).all(dim=-1)  # (N, L-n+1)
+    rows, cols = hits.nonzero(as_tuple=True)
+    if rows.numel():
+        log_probs[rows, grams[rows, cols, -1]] = float("-inf")
+    return log_probs
+
+
+class Rules:
+    """What both searches forbid at each step, for the rows of one batch: PAD and BOS always; EOS before
+    `min_len` tokens or the source's own length, whichever is shorter (and, with `min_bytes`, before the
+    summary fills that many bytes); anything but EOS at `max_len`; a repeated piece n-gram; and, with
+    `words`, pieces that would spell an unknown or a repeated word (summarizer/decode/constraints.py). Rows
+    follow their beams via `advance` and `select`."""
+
+    def __init__(self, src_ids: Tensor, group: int, settings: EvalConfig, lexicon: Lexicon | None):
+        self.s, self.lexicon = settings, lexicon
+        self.min_bytes = settings.truncate_bytes if lexicon is not None else 0
+        self.bytes = torch.zeros(src_ids.shape[0] * group, device=src_ids.device)  # (R,) UTF-8 bytes so far
+        # (R,) the fewest tokens before EOS: min_len, but never more than the row's own source has.
+        self.min_len = (src_ids != PAD).sum(dim=1).clamp(max=settings.min_len).repeat_interleave(group)
+        self.words = None
+        if lexicon is not None and (settings.known_words or settings.no_repeat_words):
+            self.words = WordRules(lexicon, [row[row != PAD].tolist() for row in src_ids.cpu()], group,
+                                   settings.known_words, settings.no_repeat_words, src_ids.device)
+
+    def apply(self, log_probs: Tensor, step: int, prefixes: Tensor) -> Tensor:
+        """(R, V) scores of the next token (the step's own tensor), every forbidden token set to -inf in place."""
+        log_probs[:, [PAD, BOS]] = float("-inf")
+        if self.words is not None:
+            self.words.mask(log_probs)
+        short = self.bytes < self.min_bytes + 1  # the first piece's word-start space is not written
+        if step < self.s.min_len:
+            log_probs[step < self.min_len, EOS] = float("-inf")
+        elif self.min_bytes and bool(short.any()):
+            log_probs[short, EOS] = float("-inf")
+        if step >= self.s.max_len:
+            eos = log_probs[:, EOS].clone()
+            log_probs.fill_(float("-inf"))
+            log_probs[:, EOS] = torch.where(torch.isinf(eos), torch.zeros_like(eos), eos)  # always allowed here
+        return _block_repeats(log_probs, prefixes, self.s.no_repeat_ngram)
+
+    def advance(self, parents: Tensor, tokens: Tensor, group: int | None = None) -> None:
+        """Row i now continues row parents[i] with tokens[i]; `group` rows per sentence from now on if given."""
+        self.bytes, self.min_len = self.bytes[parents], self.min_len[parents]
+        if self.lexicon is not None:
+            self.bytes += self.lexicon.piece_bytes.to(tokens.device)[tokens]
+        if self.words is not None:
+            self.words.advance(parents, tokens, group)
+
+    def finish(self, row: int, hyp: list[int]) -> list[int]:
+        """Row `row` ends with `hyp`: without the word it is spelling if that word may not end (only
+        `max_len` cuts a word short)."""
+        if self.words is None:
+            return hyp
+        return self.words.finish(row, hyp)
+
+    def select(self, rows: Tensor, sentences: Tensor) -> None:
+        self.bytes, self.min_len = self.bytes[rows], self.min_len[rows]
+        if self.words is not None:
+            self.words.select(rows, sentences)
+
+
+def _step(model, prefixes: Tensor, memory: Tensor, src_ids: Tensor, state, group: int) -> Tensor:
+    """(R, V) log-probabilities of each row's next token: from the cache (`state`), or by recomputing the
+    whole prefix (state None: the reference the cache is tested against)."""
+    if state is not None:
+        return model.decode(prefixes[:, -1:], memory, src_ids, state)[:, -1]
+    rows = torch.arange(src_ids.shape[0], device=src_ids.device).repeat_interleave(group)
+    return model.decode(prefixes, memory.index_select(0, rows.to(memory.device)), src_ids[rows])[:, -1]
+
+
+@torch.inference_mode()
+def greedy(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon | None = None,
+           use_cache: bool = True) -> list[list[int]]:
+    """(B, S) source ids -> B lists of target ids (without BOS/EOS). A sentence leaves the batch when it ends."""
+    memory = model.encode(src_ids)
+    state = model.start_decoding(memory, src_ids) if use_cache else None
+    rules, device = Rules(src_ids, 1, settings, lexicon), src_ids.device
+    alive = torch.arange(src_ids.shape[0], device=device)  # batch row -> input sentence
+    prefixes = torch.full((src_ids.shape[0], 1), BOS, dtype=torch.long, device=device)
+    out: list[list[int]] = [[] for _ in range(src_ids.shape[0])]
+    for step in range(settings.max_len + 1):
+        log_probs = rules.apply(_step(model, prefixes, memory, src_ids, state, 1).to(device), step, prefixes[:, 1:])
+        next_ids = log_probs.argmax(dim=-1)  # (R,)
+        prefixes = torch.cat([prefixes, next_ids[:, None]], dim=1)
+        rules.advance(torch.arange(len(next_ids), device=device), next_ids)
+        ended = next_ids == EOS
+        if bool(ended.any()):
+            rows = ended.nonzero().squeeze(1).tolist()
+            for i, row, ids in zip(alive[ended].tolist(), rows, prefixes[ended, 1:-1].tolist(), strict=True):
+                out[i] = rules.finish(row, ids)
+            keep = (~ended).nonzero().squeeze(1)
+            if not keep.numel():
+                break
+            alive, prefixes, src_ids = alive[keep], prefixes[keep], src_ids[keep]
+            memory = memory[keep.to(memory.device)]
+            rules.select(keep, keep)
+            if state is not None:
+                model.keep_sentences(state, keep)
+    return out
+
+
+@torch.inference_mode()
+def beam_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon | None = None,
+                use_cache: bool = True) -> list[list[int]]:
+    """(B, S) source ids -> B lists of target ids: the best hypothesis by score / length**length_penalty.
+
+    A hypothesis is finalised when it emits EOS (fairseq-style), and the beam keeps `beam_size` live
+    hypotheses; a sentence is done once it holds `beam_size` finished ones, and then leaves the batch.
+    Scores are sums of log-probabilities; length counts tokens including EOS. A sentence's beams all
+    start from BOS, so the first step decodes one row per sentence (`width` 1) and widens to K.
+    """
+    batch, k, device = src_ids.shape[0], settings.beam_size, src_ids.device
+    memory, width = model.encode(src_ids), 1
+    state = model.start_decoding(memory, src_ids, group=width) if use_cache else None
+    rules = Rules(src_ids, width, settings, lexicon)
+    alive = torch.arange(batch, device=device)  # batch row -> input sentence
+    prefixes = torch.full((batch, 1), BOS, dtype=torch.long, device=device)
+    scores = torch.zeros((batch, 1), device=device)
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
+    for step in range(settings.max_len + 1):
+        log_probs = _step(model, prefixes, memory, src_ids, state, width).to(device)
+        log_probs = rules.apply(log_probs, step, prefixes[:, 1:])  # (R, V)
+        n, vocab = scores.shape[0], log_probs.shape[-1]
+        candidates = log_probs.add_(scores.view(-1, 1)).reshape(n, width * vocab)
+        top_scores, top_index = candidates.topk(2 * k, dim=-1)  # (n, 2K): at most K of them end in EOS
+        beam, token = top_index // vocab, top_index % vocab
+        is_eos = (token == EOS) & torch.isfinite(top_scores)
+        parents = torch.arange(n, device=device)[:, None] * width + beam  # (n, 2K) the row each extends
+        _finalise(finished, alive, prefixes, top_scores, parents, is_eos, k, settings.length_penalty, rules)
+        # The K best non-EOS candidates continue.
+        live = ~is_eos
+        chosen = live & (live.cumsum(dim=1) <= k)
+        scores, parents, width = top_scores[chosen].view(n, k), parents[chosen], k
+        prefixes = torch.cat([prefixes[parents], token[chosen].view(-1, 1)], dim=1)
+        rules.advance(parents, token[chosen], group=k)
+        if state is not None:
+            model.reorder(state, parents, group=k)
+        done = torch.tensor([len(finished[i]) >= k for i in alive.tolist()], device=device)
+        if bool(done.any()):
+            keep = (~done).nonzero().squeeze(1)
+            if not keep.numel():
+                break
+            rows = (keep[:, None] * k + torch.arange(k, device=device)).view(-1)
+            alive, scores, prefixes, src_ids = alive[keep], scores[keep], prefixes[rows], src_ids[keep]
+            memory = memory[keep.to(memory.device)]
+            rules.select(rows, keep)
+            if state is not None:
+                model.keep_sentences(state, keep)
+    return [max(f, key=lambda item: item[0])[1] if f else [] for f in finished]
+
+
+def _finalise(finished: list, alive: Tensor, prefixes: Tensor, top_scores: Tensor, parents: Tensor,
+              is_eos: Tensor, k: int, length_penalty: float, rules: Rules) -> None:
+    """Move the EOS candidates ranked within the top K into their sentence's finished list (at most K)."""
+    ranked = is_eos & (torch.arange(is_eos.shape[1], device=is_eos.device) < k)
+    rows, cols = ranked.nonzero(as_tuple=True)
+    if not rows.numel():
+        return
+    ended = parents[rows, cols]
+    hyps = prefixes[ended, 1:].tolist()
+    for b, parent, score, hyp in zip(alive[rows].tolist(), ended.tolist(), top_scores[rows, cols].tolist(), hyps,
+                                     strict=True):
+        if len(finished[b]) < k:  # the score counts the length as searched, before any cut word
+            finished[b].append((score / (len(hyp) + 1) ** length_penalty, rules.finish(parent, hyp)))
+
+
+def decode_batch(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon | None = None,
+                 use_cache: bool = True) -> list[list[int]]:
+    """Greedy for beam 1 (cheaper bookkeeping), beam search otherwise."""
+    search = greedy if settings.beam_size == 1 else beam_search
+    return search(model, src_ids, settings, lexicon, use_cache)
+
+
+def length_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices sorted by length, cut into batches whose padded size (count * longest) fits `budget`."""
+    batches, current = [], []
+    for i in np.argsort(lengths, kind="stable").tolist():
+        if current and (len(current) + 1) * max(lengths[i], 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + [current] if current else batches
+
+
+def decode_threads(settings: EvalConfig, rt: runtime.Runtime) -> int:
+    """How many batches decode at once: `eval.threads`, else one per intra-op thread on CPU, one on GPU."""
+    if settings.threads:
+        return settings.threads
+    return torch.get_num_threads() if "cpu" in (rt.device.type, rt.decoder_device.type) else 1
+
+
+def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt: runtime.Runtime,
+               desc: str = "", lexicon: Lexicon | None = None, use_cache: bool = True) -> list[list[int]]:
+    """Source id sequences -> hypothesis id lists, in input order, decoded as `settings` (the eval section) says.
+
+    Sources are sorted by length and cut into batches of `settings.batch_tokens` padded source tokens,
+    counted once per beam, decoded with dropout off and under inference_mode (so no RNG stream is drawn
+    from), and put back in input order. On CPU, `decode_threads` batches decode at once, each on one core
+    (CTranslate2's inter_threads): at decoding's few rows per matmul one core per batch beats two cores on
+    one batch, and the outputs are the same. The word rules and the byte minimum (`settings.known_words`,
+    `no_repeat_words`, `truncate_bytes`) need the run's `lexicon`. `desc` names a progress bar, shown only
+    when stderr is a terminal. `use_cache=False` recomputes every prefix from scratch (the reference the KV cache is
+    tested and benched against).
+    """
+    if lexicon is None and (settings.known_words or settings.no_repeat_words or settings.truncate_bytes):
+        raise ValueError("eval.known_words, no_repeat_words and truncate_bytes need the run's lexicon")
+    model = runtime.unwrap(model)
+    hyps: list = [None] * len(sources)
+    # Each sentence is beam_size rows of the decoder: the budget counts its source tokens once per row.
+    batches = length_batches([len(s) for s in sources], max(1, settings.batch_tokens // settings.beam_size))
+
+    def decode(idx: list[int]) -> tuple[list[int], list[list[int]]]:
+        src = runtime.move(pad_sources([sources[i] for i in idx]), rt.device)
+        with torch.inference_mode(), rt.compute():  # both are thread-local: entered in the thread that decodes
+            return idx, decode_batch(model, src, settings, lexicon, use_cache)
+
+    threads, intra_op = min(decode_threads(settings, rt), len(batches)), torch.get_num_threads()
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    with runtime.eval_mode(model), tqdm(total=len(batches), desc=desc, unit="batch", file=sys.stderr,
+                                        disable=None if desc else True) as progress:
+        try:
+            if pool is not None:
+                torch.set_num_threads(1)
+            for idx, out in pool.map(decode, batches) if pool is not None else map(decode, batches):
+                for i, hyp in zip(idx, out, strict=True):
+                    hyps[i] = hyp
+                progress.update()
+        finally:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
+                torch.set_num_threads(intra_op)
+    return hyps
+
+
+@torch.inference_mode()
+def copied_unknowns(model, sources: Sequence[Sequence[int]], hyps: Sequence[Sequence[int]],
+                    rt: runtime.Runtime) -> list[dict[int, int]]:
+    """Where each hypothesis' unknown pieces (UNK) were copied from: {position in the hypothesis: position
+    in its source}, the source UNK that the copy attention weighted most when the piece was produced.
+
+    The hypothesis is re-run teacher-forced, which gives the attention the search saw (one pass, only for
+    the rare hypothesis that holds an UNK its source also holds). An UNK the source does not hold came from
+    the vocabulary and is absent; so are all of them for a model without a copy head.
+    """
+    model = runtime.unwrap(model)
+    copied: list[dict[int, int]] = [{} for _ in hyps]
+    with runtime.eval_mode(model), rt.compute():
+        for i, (source, hyp) in enumerate(zip(sources, hyps, strict=True)):
+            if UNK not in hyp or UNK not in source:
+                continue
+            src = runtime.move(torch.tensor([list(source)]), rt.device)
+            tgt_in = runtime.move(torch.tensor([[BOS, *hyp]]), rt.device)
+            attn = model.decoder_output(tgt_in, model.encode(src), src).copy_attn  # (1, T, S)
+            if attn is None:
+                break
+            attn = attn[0].float().cpu().masked_fill(torch.tensor(list(source)) != UNK, -1.0)
+            copied[i] = {t: int(attn[t].argmax()) for t, piece in enumerate(hyp) if piece == UNK}
+    return copied

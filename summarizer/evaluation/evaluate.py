@@ -1,0 +1,102 @@
+"""`eval`: decode a prepared split or any pairs file with a trained run; predictions.txt and rouge.json
+(ROUGE-1/2/L with 95% intervals, quality rates, lead-N baselines)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from summarizer import runtime
+from summarizer.config.schema import Config
+from summarizer.data.prepared import open_tokenizer, read_meta, training_words
+from summarizer.data.tokenizer import normalize
+from summarizer.decode.constraints import lexicon
+from summarizer.decode.inference import (
+    check_beam,
+    eval_checkpoint,
+    load_model,
+    read_eval_pairs,
+    summary_text,
+    truncate_bytes,
+)
+from summarizer.decode.quantize import decoding_precision
+from summarizer.decode.search import copied_unknowns, decode_all
+from summarizer.evaluation.scoring import quality, rouge_report, words
+from summarizer.outputs import claim_dir, refuse_overlap, write_together
+
+
+def score(cfg: Config, meta: dict, pairs: list[dict], predictions: list[str]) -> dict:
+    """ROUGE (F, or recall at eval.truncate_bytes as DUC reports it), the quality rates and lead-N."""
+    e, norm = cfg.eval, meta["normalization"]
+    measure = "r" if e.truncate_bytes else "f"
+    references = [p.get("references") or [p["target"]] for p in pairs]
+    report = rouge_report(predictions, references, e.bootstrap_samples, measure=measure)
+    sources = [[words(normalize(p["source"], norm["lowercase"], norm["mask_digits"])), words(p["source"])]
+               for p in pairs]
+    report.update(quality(predictions, sources, references, training_words(cfg.data.dir)))
+    report["lead"] = {f"lead-{k}": {kind: v[measure] for kind, v in rouge_report(
+        [truncate_bytes(" ".join(p["source"].split()[:k]), e.truncate_bytes) for p in pairs], references, 0,
+        measure=measure).items() if kind.startswith("rouge")} for k in e.lead_baselines}
+    return report
+
+
+def settings(cfg: Config, name: str, n: int, source: dict, precision: str) -> dict:
+    e = cfg.eval
+    references = ("mean over each pair's references (ROUGE-1.5.5's -f A)" if e.truncate_bytes
+                  else "best reference per ROUGE type")
+    return {
+        "scorer": "rouge-score (Google) with Porter stemming, default tokenizer (lower-cased, alphanumeric)",
+        "aggregation": f"mean over pairs; {references}; bootstrap 95% interval",
+        "measure": f"recall of the first {e.truncate_bytes} bytes" if e.truncate_bytes else "F-measure, full length",
+        "unk": "UNK and <unk> scored as the same word", "split": name, "pairs": n, "pairs_file": e.pairs or None,
+        "beam_size": e.beam_size, "max_len": e.max_len, "min_len": e.min_len, "length_penalty": e.length_penalty,
+        "no_repeat_ngram": e.no_repeat_ngram, "known_words": e.known_words, "no_repeat_words": e.no_repeat_words,
+        "truncate_bytes": e.truncate_bytes, "quantize": source["quantize"],
+        "checkpoint": {"path": source["path"], "step": source["step"]}, "precision": precision}
+
+
+def evaluate(cfg: Config) -> dict:
+    """Decode `eval.pairs` or `eval.split` with the run's best checkpoint (or eval.checkpoint); write
+    predictions.txt (what was scored, one line per pair) and rouge.json to eval.out_dir."""
+    begun = time.perf_counter()
+    rt = runtime.setup(cfg, decoding_precision(cfg))
+    meta = read_meta(cfg.data.dir)
+    check_beam(cfg, meta)
+    out_dir = Path(cfg.eval.out_dir) if cfg.eval.out_dir else cfg.run_dir
+    refuse_overlap(out_dir, [cfg.data.dir] + ([cfg.eval.pairs] if cfg.eval.pairs else []), "eval.out_dir")
+    tokenizer = open_tokenizer(cfg.data.dir)
+    name, pairs, ids = read_eval_pairs(cfg, meta, tokenizer)
+    model, source = load_model(eval_checkpoint(cfg), rt, meta, cfg.eval.quantize)
+    claim_dir(out_dir, "eval", "eval.out_dir", legacy=("rouge.json",), also=("run", "overfit"))
+    rules_lexicon = lexicon(cfg.data.dir)  # start-up, like loading the model: outside the decoding time
+    started = time.perf_counter()
+    hyps = decode_all(model, ids, cfg.eval, rt, f"decode {name}", rules_lexicon)
+    seconds = time.perf_counter() - started
+    predictions = [summary_text(h, p["source"], tokenizer, meta, cfg.eval.truncate_bytes)
+                   for h, p in zip(hyps, pairs, strict=True)]
+    for_people = [summary_text(h, p["source"], tokenizer, meta, cfg.eval.truncate_bytes, copied)
+                  for h, p, copied in zip(hyps, pairs, copied_unknowns(model, ids, hyps, rt), strict=True)]
+    report = score(cfg, meta, pairs, predictions)
+    report["settings"] = settings(cfg, name, len(pairs), source, rt.precision)
+    report["sentences_per_s"] = len(pairs) / seconds  # decoding alone, as other toolkits time it
+    report["startup_s"] = started - begun  # reading data and the checkpoint, quantizing, the word rules' lexicon
+    # rouge.json names the predictions it scored: all three are written in full before any is replaced
+    write_together(out_dir, {"predictions.readable.txt": "".join(p + "\n" for p in for_people),
+                             "predictions.txt": "".join(p + "\n" for p in predictions),
+                             "rouge.json": json.dumps(report, indent=2)}, last="rouge.json")
+    print(summary_line(report, out_dir), file=sys.stderr)
+    return report
+
+
+def summary_line(report: dict, out_dir: Path) -> str:
+    s = report["settings"]
+    measure = f"recall at {s['truncate_bytes']} bytes" if s["truncate_bytes"] else "F"
+    m = "r" if s["truncate_bytes"] else "f"
+    lead = " ".join(f"{k} R1 {v['rouge1']:.1f}" for k, v in report["lead"].items())
+    return (f"{s['split']} ({s['pairs']} pairs, beam {s['beam_size']}): ROUGE-1/2/L {measure} "
+            f"{report['rouge1'][m]:.2f}/{report['rouge2'][m]:.2f}/{report['rougeL'][m]:.2f}; "
+            f"non-words {report['nonword_rate']:.1f}%, repeats {report['repeat_rate']:.1f}%, "
+            f"{report['words_per_prediction']:.1f} words per summary (references "
+            f"{report['words_per_reference']:.1f}); {lead}; {report['sentences_per_s']:.0f} sentences/s; "
+            f"written to {out_dir}")

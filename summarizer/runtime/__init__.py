@@ -1,0 +1,21 @@
+"""Layer 4, the runtime: where and how the model runs (device, precision, seeding, DDP) and its placement.
+
+The layer's public names, used as `runtime.setup(...)`; the code lives in device.py and distributed.py."""
+from summarizer.runtime.device import (
+    Runtime,
+    cpu_has_fast_bf16,
+    eval_mode,
+    make_scaler,
+    move,
+    move_batch,
+    resolve_device,
+    resolve_precision,
+    seed_everything,
+    set_cpu_kernel_cache,
+    setup,
+)
+from summarizer.runtime.distributed import all_reduce_sum, teardown, unwrap, wrap_ddp
+
+__all__ = ["Runtime", "all_reduce_sum", "cpu_has_fast_bf16", "eval_mode", "make_scaler", "move", "move_batch",
+           "resolve_device", "resolve_precision", "seed_everything", "set_cpu_kernel_cache", "setup", "teardown",
+           "unwrap", "wrap_ddp"]

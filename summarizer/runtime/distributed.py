@@ -1,0 +1,45 @@
+"""Data parallelism: the DDP wrapper, unwrapping a wrapped model, collective sums, and leaving the process group."""
+from __future__ import annotations
+
+import multiprocessing
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from summarizer.runtime.device import Runtime
+
+
+def teardown() -> None:
+    """Leave the process group, and stop any child process still alive (DataLoader workers ignore SIGTERM, so
+    multiprocessing's own exit handler, which terminates then joins them, would wait forever)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=10)
+
+
+def wrap_ddp(model: nn.Module, rt: Runtime) -> nn.Module:
+    if not rt.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    if rt.device != rt.decoder_device:
+        # A module spanning two devices: DDP requires device_ids=None (DDP docs).
+        return DDP(model, device_ids=None, broadcast_buffers=False)
+    # The only buffer is the constant position table: broadcasting it every forward is wasted traffic.
+    return DDP(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+               broadcast_buffers=False)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP and torch.compile wrappers: what decoding calls `encode`/`decode` on and
+    checkpoints take the state dict of (a placed model's state dict is its inner model's)."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
+
+
+def all_reduce_sum(value: Tensor, rt: Runtime) -> Tensor:
+    if rt.distributed:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value

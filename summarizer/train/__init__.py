@@ -1,0 +1,1 @@
+"""Layer 7, training: the loop, the run's session, validation, losses and the optimizer."""

@@ -1,0 +1,268 @@
+"""A training run's state, opened fresh or from its newest checkpoint: devices, data streams, model,
+optimizer, schedule, the weights' moving average, progress; and the snapshot a checkpoint stores."""
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Set
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
+from torch.utils.data import DataLoader
+
+from summarizer import runtime
+from summarizer.config.load import save_config, to_dict
+from summarizer.config.resume import check_resume
+from summarizer.config.schema import Config
+from summarizer.data.batches import PairDataset, TokenBatchSampler, make_loader
+from summarizer.data.noise import SpanMasker, word_starts
+from summarizer.data.prepared import check_data_settings, open_tokenizer, read_meta, source_weights, valid_split
+from summarizer.data.subwords import SegmentationSampler
+from summarizer.data.tokenizer import Tokenizer
+from summarizer.errors import ConfigError
+from summarizer.model import checkpoint
+from summarizer.model.transformer import Seq2Seq, count_parameters
+from summarizer.outputs import claim_dir, claim_events_dir, hold_lock
+from summarizer.runtime import Runtime
+from summarizer.runtime.placement import place_model
+from summarizer.train.optim import build_optimizer, build_scheduler
+from summarizer.train.watch import spikes
+from summarizer.train.watch.monitor import Monitor, read_manifest, write_manifest
+
+# What a run writes to its run dir (besides ckpt_*.pt): how a run dir written before the ownership
+# marker is recognised, and what `make overfit` may clear.
+RUN_FILES = ("config.yaml", "manifest.json", "metrics.jsonl", checkpoint.LATEST, checkpoint.BEST, "profile.txt")
+
+
+
+def batches_forever(loader, sampler: TokenBatchSampler, epoch: int, position: int, skip: Set = frozenset()):
+    """Yield (batch, epoch, position after it), epoch after epoch, starting mid-epoch if resuming; the
+    batches whose (epoch, position) is in `skip` are left out (summarizer/train/watch/spikes.py)."""
+    while True:
+        sampler.set_epoch(epoch, position)
+        for batch in loader:
+            position += 1
+            if (epoch, position) not in skip:
+                yield batch, epoch, position
+        epoch, position = epoch + 1, 0
+
+
+def build(cfg: Config, rt: Runtime, meta: dict, state: dict | None = None, init: dict | None = None):
+    """Model, optimizer and scaler, placed on their devices (not yet DDP-wrapped), with a checkpoint's
+    `state` restored if given: the model is then built from the checkpoint's own config. Otherwise a new
+    model, with the weights `init` (train.init_from's) if given."""
+    model = checkpoint.restore_model(state) if state else Seq2Seq(cfg.model, meta["vocab_size"])
+    if state is None and init is not None:
+        model.load_state_dict(init)
+    model = place_model(model, rt, cfg.placement.pipeline_chunks)
+    optimizer, scaler = build_optimizer(model, cfg.train), runtime.make_scaler(rt)
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+    return model, optimizer, scaler
+
+
+def debiased_ema(decay: float):
+    """AveragedModel's update for the t-th average: w_ema <- w_ema + (w - w_ema) * (1 - d) / (1 - d**t), the
+    exponential average of the weights seen so far divided by the total weight they carry (as Adam corrects
+    its moments' bias). torch's own EMA update starts at the first step's weights and keeps them at d**t:
+    after 1,000 steps at d = 0.999 still 37% of the average, which for a fine-tuning (train.init_from) is the
+    pre-trained model. After ~3 / (1 - d) steps the two agree within 5%."""
+    def update(averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor) -> None:
+        t = int(num_averaged) + 1  # AveragedModel reads num_averaged on the host at every update anyway
+        torch._foreach_lerp_(averaged, current, (1 - decay) / (1 - decay ** t))
+    return torch.no_grad()(update)
+
+
+def build_ema(model: nn.Module, decay: float, state: dict | None, max_steps: int) -> AveragedModel | None:
+    """An exponential moving average of the weights (train.ema_decay; 0 = none): w_ema <- decay * w_ema +
+    (1 - decay) * w after every optimizer step, debiased (`debiased_ema`). It is what validation scores and
+    what best.pt holds (step checkpoints hold both; eval.checkpoint=ckpt_*.pt and `average` use the raw
+    weights); a resumed run restores it from its checkpoint."""
+    if not decay:
+        return None
+    if max_steps < 3 / (1 - decay):  # after t steps the first weights still count decay**t: > 5% here
+        print(f"warning: train.ema_decay={decay} averages the weights over about {round(1 / (1 - decay))} steps, "
+              f"but this run has {max_steps}: best.pt (the average) will lag far behind the trained weights. "
+              f"For short runs set train.ema_decay=0 or a smaller decay", file=sys.stderr, flush=True)
+    ema = AveragedModel(model, multi_avg_fn=debiased_ema(decay))
+    if state and "ema" in state:
+        ema.load_state_dict(state["ema"])
+    return ema
+
+
+def resume_state(cfg: Config, meta: dict) -> tuple[dict | None, list[dict]]:
+    """The run's newest readable checkpoint (None for a new run) and the config changes it resumes
+    with; refuses another tokenizer and changes that cannot take effect mid-run."""
+    found = checkpoint.load_latest(cfg.run_dir)
+    if found is None:
+        return None, []
+    state, path, skipped = found
+    for problem in skipped:
+        print(f"warning: {problem}; resuming from {path.name} instead", file=sys.stderr)
+    checkpoint.check_tokenizer(state["data_meta"], meta, f"run {cfg.run_dir}")
+    changes = check_resume(state["config"], cfg, cfg.run_dir, state["step"])
+    if changes:
+        print(f"resuming at step {state['step']} with changed settings: " + ", ".join(
+            f"{c['key']} {c['old']!r} -> {c['new']!r}" for c in changes), file=sys.stderr)
+    return state, changes
+
+
+def initial_weights(cfg: Config, meta: dict) -> dict | None:
+    """train.init_from's weights for a new run: a checkpoint trained on the same tokenizer, with the parameters
+    of cfg.model (dropout and other settings without parameters may differ); None when it is unset."""
+    path = cfg.train.init_from
+    if not path:
+        return None
+    if not Path(path).is_file():
+        raise ConfigError(f"train.init_from={path} does not exist: train the run that writes it first (a config's "
+                          f"header names its stages, e.g. configs/pretrain.yaml before configs/denoise.yaml), or name "
+                          f"another checkpoint (a run's best.pt or ckpt_*.pt)")
+    state = checkpoint.require_model(checkpoint.load(path), path)
+    checkpoint.check_tokenizer(state["data_meta"], meta, f"train.init_from={path}")
+    want = Seq2Seq(cfg.model, meta["vocab_size"]).state_dict()
+    have = state["model"]
+    shapes = [k for k in sorted(set(want) | set(have))
+              if k not in want or k not in have or want[k].shape != have[k].shape]
+    if shapes:
+        raise ConfigError(f"train.init_from={path} holds another model than this run's model.* settings (first "
+                          f"differences: {', '.join(shapes[:4])}): set model.* as that run had them (its config.yaml)")
+    return have
+
+
+def snapshot(cfg: Config, meta: dict, model, optimizer, scaler, ema, progress: dict) -> dict:
+    """Everything a resumed run needs, from the unwrapped module (never the DDP/placement wrapper). The
+    schedule is not stored: it is a function of the step and the config (so a new train.lr takes effect)."""
+    state = {"model": runtime.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+             "scaler": scaler.state_dict(), "rng": checkpoint.rng_state(),
+             "progress": dict(progress), "step": progress["step"], "config": to_dict(cfg),
+             "data_meta": {k: meta.get(k) for k in ("spm_sha256", "vocab_size", "normalization", "fingerprint")}}
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    return state
+
+
+@dataclass
+class Session:
+    """Everything one training run holds; built by `open_session`, driven by `train`."""
+    cfg: Config
+    rt: Runtime
+    meta: dict
+    tokenizer: Tokenizer
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    progress: dict
+    stream: Iterator
+    valid_ds: PairDataset
+    valid_loader: DataLoader
+    monitor: Monitor
+    resumed: bool
+    ema: AveragedModel | None = None
+    lock: object | None = None  # the run dir's lock file (outputs.hold_lock): held while this run lives
+    rouge_pairs: list | None = None  # the valid pairs ROUGE is measured on during training, read once
+    train_loader: DataLoader | None = None  # what `stream` reads, kept to restart it (rollback)
+    sampler: TokenBatchSampler | None = None
+    skip: set = field(default_factory=set)  # (epoch, position) of batches never trained on (spikes.py)
+    rollbacks: list = field(default_factory=list)  # the manifest's spike_rollbacks
+
+    @property
+    def eval_model(self) -> nn.Module:
+        """The weights validation scores and best.pt keeps: the moving average, if one is kept."""
+        return self.ema.module if self.ema is not None else runtime.unwrap(self.model)
+
+    def snapshot(self) -> dict:
+        return snapshot(self.cfg, self.meta, self.model, self.optimizer, self.scaler, self.ema, self.progress)
+
+    def best_snapshot(self) -> dict:
+        """best.pt: the validated weights (the average, if kept) as its model; nothing to resume from."""
+        return {**{k: v for k, v in self.snapshot().items() if k not in ("optimizer", "scaler", "ema")},
+                "model": self.eval_model.state_dict()}
+
+
+def open_session(cfg: Config) -> Session:
+    """Devices, seeds, data, model and optimizer state: fresh, or restored from the run's latest checkpoint."""
+    rt = runtime.setup(cfg)
+    runtime.seed_everything(cfg.train.seed, cfg.train.deterministic)
+    meta, tokenizer = read_meta(cfg.data.dir), open_tokenizer(cfg.data.dir)
+    check_data_settings(cfg.data, meta)
+    # train.init_from of a new run is checked before its run dir is claimed: a wrong path leaves nothing behind
+    init = initial_weights(cfg, meta) if checkpoint.latest_path(cfg.run_dir) is None else None
+    lock = None
+    if rt.is_main:
+        claim_dir(cfg.run_dir, "run", "run.dir", legacy=RUN_FILES, also=("overfit",))
+        lock = hold_lock(cfg.run_dir, "run.dir")  # held until the run's process ends: one run per run dir
+        claim_events_dir(cfg.tensorboard_dir, cfg.run_dir)
+    state, changes = resume_state(cfg, meta)
+    if state is None and init is None:  # checkpoints there, none readable: a new run after all
+        init = initial_weights(cfg, meta)
+    model, optimizer, scaler = build(cfg, rt, meta, state, init)
+    ema = build_ema(model, cfg.train.ema_decay, state, cfg.train.max_steps)
+    progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
+    if state is not None:
+        checkpoint.set_rng_state(state["rng"])
+        progress = state["progress"]
+    del state  # the weights now live in the model
+    scheduler = build_scheduler(optimizer, cfg.train, progress["step"])
+    model = runtime.wrap_ddp(model, rt)
+    if cfg.train.compile:
+        model = torch.compile(model)
+    resample = SegmentationSampler(tokenizer, cfg.data.subword_alpha, cfg.data.subword_nbest, cfg.train.seed) \
+        if cfg.data.subword_alpha > 0 else None
+    noised = tuple(meta.get("unpaired_tags", ()))
+    masker = SpanMasker(word_starts(tokenizer), tokenizer.mask_id(), cfg.data.noise_words, cfg.data.noise_span,
+                        cfg.train.seed, keep=1 if meta["normalization"].get("source_tag") else 0) if noised else None
+    train_ds = PairDataset.from_dir(cfg.data.dir, "train", cfg.data, limit=cfg.data.train_limit, sampler=resample,
+                                    masker=masker, noised=noised)
+    sampler = TokenBatchSampler(train_ds.src_lens, train_ds.tgt_lens, cfg.data.batch_tokens, cfg.data.bucket_size,
+                                shuffle=True, seed=cfg.train.seed, rank=rt.rank, world_size=rt.world_size,
+                                pad_multiple=cfg.data.pad_multiple,
+                                weights=source_weights(cfg.data, meta, len(train_ds)))
+    manifest = read_manifest(cfg.run_dir)
+    skip, rollbacks = spikes.skipped(manifest, cfg.train), manifest.get("spike_rollbacks", [])
+    train_loader = make_loader(train_ds, sampler, cfg.data, rt.device, cfg.train.seed)
+    stream = batches_forever(train_loader, sampler, progress["epoch"], progress["position"], skip)
+    valid_name = valid_split(meta)
+    valid_ds = PairDataset.from_dir(cfg.data.dir, valid_name, cfg.data)
+    valid_loader = make_loader(valid_ds, TokenBatchSampler(
+        valid_ds.src_lens, valid_ds.tgt_lens, cfg.data.batch_tokens, shuffle=False, rank=rt.rank,
+        world_size=rt.world_size, even=False, pad_multiple=cfg.data.pad_multiple), cfg.data, rt.device, cfg.train.seed)
+    if rt.is_main:
+        save_config(cfg, cfg.run_dir / "config.yaml")
+        write_manifest(cfg, cfg.run_dir, rt.devices, rt.precision, meta, rt.world_size, changes)
+    monitor = Monitor(cfg, rt.is_main, progress["step"], cfg.train.max_steps)
+    monitor.write(f"model {count_parameters(model) / 1e6:.1f}M parameters, precision {rt.precision}, "
+                  f"{len(train_ds)} train pairs, {len(valid_ds)} {valid_name} pairs, "
+                  f"{'resuming at step ' + str(progress['step']) if progress['step'] else 'starting'}")
+    return Session(cfg, rt, meta, tokenizer, model, optimizer, scheduler, scaler, progress, stream,
+                   valid_ds, valid_loader, monitor, progress["step"] > 0, ema, lock, train_loader=train_loader,
+                   sampler=sampler, skip=skip, rollbacks=rollbacks)
+
+
+def rollback(s: Session) -> int | None:
+    """Back to the run's newest checkpoint, in place: weights, optimizer, scaler, moving average, random
+    streams, progress (the wall clock excepted) and the data stream at its position, with what was logged
+    after it dropped. Its step, or None when the run has no checkpoint yet."""
+    found = checkpoint.load_latest(s.cfg.run_dir)
+    if found is None:
+        return None
+    state = found[0]
+    runtime.unwrap(s.model).load_state_dict(state["model"])
+    s.optimizer.load_state_dict(state["optimizer"])
+    s.scaler.load_state_dict(state["scaler"])
+    if s.ema is not None:
+        s.ema.load_state_dict(state["ema"])
+    checkpoint.set_rng_state(state["rng"])
+    elapsed = s.progress["elapsed_s"]
+    s.progress.clear()
+    s.progress.update(state["progress"], elapsed_s=elapsed)
+    s.scheduler = build_scheduler(s.optimizer, s.cfg.train, s.progress["step"])
+    s.stream.close()
+    s.stream = batches_forever(s.train_loader, s.sampler, s.progress["epoch"], s.progress["position"], s.skip)
+    s.monitor.rewind(s.progress["step"])
+    return s.progress["step"]
+
+

@@ -1,0 +1,99 @@
+"""What training measures on held-out pairs: loss, greedy ROUGE and the quality rates, sample summaries,
+and which checkpoint is the best so far (train.select_by)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+from torch import nn
+
+from summarizer import runtime
+from summarizer.config.schema import Config
+from summarizer.data.batches import PairDataset
+from summarizer.data.prepared import read_pairs, training_words, valid_split
+from summarizer.data.tokenizer import Tokenizer
+from summarizer.decode.constraints import lexicon
+from summarizer.decode.search import decode_all
+from summarizer.evaluation.scoring import ROUGE_TYPES, quality, rouge_report, words
+from summarizer.model import checkpoint
+from summarizer.runtime import Runtime, move_batch
+from summarizer.train.losses import smoothed_nll
+from summarizer.train.session import Session
+from summarizer.train.watch.module_stats import activation_rms
+
+
+@torch.inference_mode()
+def evaluate_loss(model: nn.Module, loader, rt: Runtime, activations: bool = False) -> dict:
+    """Token-level NLL and perplexity of a split, without dropout or graph building; with `activations`, the
+    RMS of each block's output too (summarizer/train/watch/module_stats.py; under DDP, of this rank's share)."""
+    nlls, tokens = [], 0
+    with runtime.eval_mode(model), activation_rms(model, activations) as rms:
+        for batch in loader:
+            batch = move_batch(batch, rt.device)
+            with rt.compute():
+                out = model(batch["src_ids"], batch["tgt_in"])
+            nlls.append(smoothed_nll(out, batch["tgt_out"], batch["src_ids"], 0.0)[1].double().to(rt.device))
+            tokens += batch["n_tgt"]
+    nll_sum = torch.stack(nlls).sum() if nlls else torch.zeros((), dtype=torch.float64, device=rt.device)
+    totals = runtime.all_reduce_sum(torch.stack([nll_sum, torch.tensor(float(tokens), device=rt.device,
+                                                                       dtype=torch.float64)]), rt)
+    loss = float(totals[0] / totals[1].clamp_min(1))
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(totals[1]), **rms}
+
+
+def validate(s: Session, extra: dict, rouge: bool) -> bool:
+    """Validation loss, ROUGE on a fixed valid subset when due, samples, and best-checkpoint
+    bookkeeping by `train.select_by`; True when patience runs out."""
+    started = time.perf_counter()
+    metrics = evaluate_loss(s.eval_model, s.valid_loader, s.rt, s.cfg.train.module_stats)
+    metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
+    if rouge:
+        # Every rank decodes the same subset deterministically, so all agree on the best without talking.
+        metrics.update(valid_rouge(s))
+    s.monitor.log(s.progress["step"], "valid", {**metrics, **extra})
+    if s.rt.is_main and s.cfg.train.sample_summaries:
+        s.monitor.text("samples", sample_summaries(s.eval_model, s.valid_ds, s.tokenizer, s.rt, s.cfg),
+                       s.progress["step"])
+    metric = "rouge1" if s.cfg.train.select_by == "rouge" else "loss"
+    if metric not in metrics:
+        return False  # the best is judged only where ROUGE was measured
+    if improves(metric, metrics[metric], s.progress["best"]):
+        s.progress.update(best={"metric": metric, "value": metrics[metric]}, bad_evals=0)
+        if s.rt.is_main:
+            checkpoint.save(s.best_snapshot(), s.cfg.run_dir / checkpoint.BEST)
+    else:
+        s.progress["bad_evals"] += 1
+    return bool(s.cfg.train.patience) and s.progress["bad_evals"] >= s.cfg.train.patience
+
+
+def improves(metric: str, value: float, best: dict | None) -> bool:
+    """Is `value` of `metric` better than the best so far? Loss falls, ROUGE rises."""
+    if best is None:
+        return True
+    return value < best["value"] if metric == "loss" else value > best["value"]
+
+
+def valid_rouge(s: Session) -> dict:
+    """Greedy ROUGE-1/2/L F and the quality rates (non-words, repeats, length) on the first
+    `train.rouge_samples` valid pairs: fast, and comparable across steps."""
+    if s.rouge_pairs is None:
+        s.rouge_pairs = read_pairs(s.cfg.data.dir, valid_split(s.meta))[:s.cfg.train.rouge_samples]
+    pairs = s.rouge_pairs
+    hyps = decode_all(s.eval_model, [s.valid_ds[i][0] for i in range(len(pairs))],
+                      dataclasses.replace(s.cfg.eval, beam_size=1), s.rt, lexicon=lexicon(s.cfg.data.dir))
+    predictions = [s.tokenizer.decode(h) for h in hyps]
+    references = [p.get("references") or [p["target"]] for p in pairs]
+    report = rouge_report(predictions, references, samples=0)
+    rates = quality(predictions, [[words(p["source"])] for p in pairs], references, training_words(s.cfg.data.dir))
+    return {**{kind: report[kind]["f"] for kind in ROUGE_TYPES}, **rates}
+
+
+def sample_summaries(model, dataset: PairDataset, tokenizer: Tokenizer, rt: Runtime, cfg: Config) -> str:
+    """Greedy summaries of the first `train.sample_summaries` valid pairs, as Markdown for TensorBoard."""
+    pairs = [dataset[i] for i in range(min(cfg.train.sample_summaries, len(dataset)))]
+    hyps = decode_all(model, [s for s, _ in pairs], dataclasses.replace(cfg.eval, beam_size=1), rt,
+                      lexicon=lexicon(cfg.data.dir))
+    return "\n\n".join(f"source: {tokenizer.decode(s.tolist())}  \nreference: {tokenizer.decode(t.tolist())}  \n"
+                       f"greedy: {tokenizer.decode(h)}" for (s, t), h in zip(pairs, hyps, strict=True))

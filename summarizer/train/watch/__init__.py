@@ -1,0 +1,1 @@
+"""The training loop's instruments: logging, FLOPs, module statistics, non-finite steps, loss spikes."""

@@ -1,0 +1,276 @@
+"""What a run records: TensorBoard events, metrics.jsonl, memory figures, the progress bar, the manifest."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from summarizer.config.load import to_dict
+from summarizer.config.schema import Config
+from summarizer.outputs import atomic_write
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: peak bytes held by tensors (the caching allocator reserves more; nvidia-smi shows that).
+    CPU: the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # VmHWM is this address space's own high-water mark; ru_maxrss survives exec, so a freshly
+    # spawned process would report its parent's peak.
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def current_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def memory_report(device: torch.device) -> str:
+    if device.type == "cuda":
+        return (f"allocated {torch.cuda.memory_allocated(device) / 2**20:.0f} MiB, reserved "
+                f"{torch.cuda.memory_reserved(device) / 2**20:.0f} MiB, peak "
+                f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB")
+    return f"resident {current_memory_mb(device):.0f} MiB, peak {peak_memory_mb(device):.0f} MiB"
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], precision: str,
+                   data_meta: dict, world_size: int, changes: list[dict] = ()) -> dict:
+    """Everything needed to say later exactly what produced this run's numbers; `changes` (config keys
+    changed on resume: step, key, old, new) are added to those the manifest already records."""
+    previous = read_manifest(run_dir)
+    history = previous.get("config_changes", [])
+    manifest = {
+        "python": sys.version.split()[0], "platform": platform.platform(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+        "devices": [torch.cuda.get_device_name(d) if d.type == "cuda" else platform.processor() or "cpu"
+                    for d in devices],
+        "cpu_threads": torch.get_num_threads(), "world_size": world_size, "precision": precision,
+        "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
+        "seed": cfg.train.seed, "command": sys.argv,
+        "data": {k: data_meta.get(k) for k in ("spm_sha256", "fingerprint", "vocab_size", "splits")},
+        "config": to_dict(cfg), "config_changes": history + list(changes),
+        "spike_rollbacks": previous.get("spike_rollbacks", []),  # summarizer/train/watch/spikes.py
+    }
+    atomic_write(run_dir / "manifest.json", json.dumps(manifest, indent=2, default=str))
+    return manifest
+
+
+def read_manifest(run_dir: Path) -> dict:
+    """The run's manifest.json, or {} for a run without a readable one."""
+    try:
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def add_rollback(run_dir: Path, record: dict) -> None:
+    """Append a spike rollback (summarizer/train/watch/spikes.py) to the manifest's `spike_rollbacks`."""
+    manifest = read_manifest(run_dir)
+    manifest["spike_rollbacks"] = [*manifest.get("spike_rollbacks", []), record]
+    atomic_write(run_dir / "manifest.json", json.dumps(manifest, indent=2, default=str))
+
+
+class Monitor:
+    """Rank 0 writes; other ranks hold a Monitor that does nothing, so the loop has no `if rank` noise.
+
+    On a terminal, progress is a bar; when stderr is a file or pipe (`make train > log 2>&1`, Slurm,
+    CI), a bar would write a carriage-return line per update, so each log interval prints one line.
+    """
+
+    def __init__(self, cfg: Config, active: bool, start_step: int, total_steps: int):
+        self.active, self.total_steps = active, total_steps
+        self.metrics_path, self.events_dir = cfg.run_dir / "metrics.jsonl", cfg.tensorboard_dir
+        self.writer = None
+        self.bar = None
+        if not active:
+            return
+        _truncate_metrics(self.metrics_path, start_step)
+        from torch.utils.tensorboard import SummaryWriter
+        # purge_step drops events a killed run wrote after its last checkpoint, so curves do not fold back.
+        self.writer = SummaryWriter(str(cfg.tensorboard_dir), purge_step=start_step + 1 if start_step else None)
+        if sys.stderr.isatty():
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=f"train {cfg.run.name}", unit="step",
+                            dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
+
+    def log(self, step: int, split: str, values: dict) -> None:
+        if not self.active:
+            return
+        record = {"step": step, "split": split, **{k: _plain(v) for k, v in values.items()}}
+        with open(self.metrics_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if key not in ("step", "split") and isinstance(value, (int, float)):
+                self.writer.add_scalar(f"{split}/{key}", value, step)
+        if split == "train" and self.bar is not None:
+            self.bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{values['tokens_per_s']:.0f}")
+        elif self.bar is None:
+            print(log_line(step, self.total_steps, split, record), file=sys.stderr, flush=True)
+
+    def rewind(self, step: int) -> None:
+        """Back to `step` (a spike rollback): what was logged after it leaves metrics.jsonl and TensorBoard."""
+        if not self.active:
+            return
+        _truncate_metrics(self.metrics_path, step)
+        self.writer.close()
+        from torch.utils.tensorboard import SummaryWriter
+        self.writer = SummaryWriter(str(self.events_dir), purge_step=step + 1)
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self.active:
+            self.writer.add_text(tag, text, step)
+
+    def advance(self, steps: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def write(self, message: str) -> None:
+        if self.active:
+            (self.bar.write if self.bar is not None else print)(message, file=sys.stderr)
+
+    def hparams(self, hparams: dict, metrics: dict) -> None:
+        if self.active:
+            flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in hparams.items()}
+            self.writer.add_hparams(flat, metrics, run_name="hparams")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def log_line(step: int, total: int, split: str, record: dict) -> str:
+    """One line of a log interval, for logs written to files: `step 50/3000 train loss 6.448 lr 1.2e-04 ...`."""
+    formats = {"loss": ".4f", "lr": ".3g", "grad_norm": ".3f", "tokens_per_s": ".0f", "rouge1": ".2f",
+               "rouge2": ".2f", "rougeL": ".2f", "ppl": ".2f", "data_wait": ".1%", "memory_mb": ".0f",
+               "peak_memory_mb": ".0f"}
+    parts = [f"{key} {record[key]:{fmt}}" for key, fmt in formats.items() if isinstance(record.get(key), (int, float))]
+    return f"step {step}/{total} {split} " + " ".join(parts)
+
+
+def _plain(value):
+    return round(value, 6) if isinstance(value, float) else value
+
+
+def _truncate_metrics(path: Path, start_step: int) -> None:
+    """On resume, drop records past the checkpoint (the resumed run logs those steps again), and any line a
+    crash or a full disk left torn (an append cut short), saying so."""
+    if not path.exists():
+        return
+    keep, torn = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line) if line.strip() else None
+        except ValueError:
+            torn += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= start_step:
+            keep.append(line)
+    if torn:
+        print(f"note: {path} held {torn} torn line(s) (a write cut short by a crash or a full disk); dropped",
+              file=sys.stderr, flush=True)
+    atomic_write(path, "".join(line + "\n" for line in keep))
+
+
+def flatten(cfg: Config) -> dict:
+    """{'train.lr': 1e-3, ...} for TensorBoard's hparams table."""
+    out = {}
+    for section, values in to_dict(cfg).items():
+        for key, value in values.items():
+            out[f"{section}.{key}"] = value
+    return out
+
+
+class Window:
+    """Sums between two log points, kept as device tensors so logging costs one sync per interval;
+    under DDP every rank calls `summary` at the same step and the sums are all-reduced there."""
+
+    def __init__(self, rt, clock=time.perf_counter, peak_flops: float = 0.0):
+        self.rt, self.device, self.clock, self.peak = rt, rt.device, clock, peak_flops
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps, self.data_s, self.skipped, self.tokens = 0, 0.0, 0, 0
+        self.flops, self.padded_flops = 0, 0  # model FLOPs of real tokens; FLOPs computed on padded shapes
+        self.sums = torch.zeros(2, device=self.device)  # nll / global tokens, loss / global tokens
+        self.started = self.clock()
+
+    def add(self, out: dict, micro_batches: list[dict], data_s: float, flops: tuple[int, int] = (0, 0)) -> None:
+        self.steps += 1
+        self.flops += flops[0]
+        self.padded_flops += flops[1]
+        self.data_s += data_s
+        self.skipped += not out["finite"]
+        self.tokens += sum(b["n_src"] + b["n_tgt"] for b in micro_batches)
+        self.sums += torch.stack([out["nll_sum"], out["loss_sum"]]).to(self.device) / out["tokens"]
+
+    def summary(self, lr: float, grad_norm: torch.Tensor) -> dict:
+        from summarizer.runtime import all_reduce_sum
+        counts = torch.tensor([float(self.tokens), float(self.flops), float(self.padded_flops)], device=self.device)
+        nll, loss, tokens, flops, padded = all_reduce_sum(torch.cat([self.sums, counts]), self.rt).tolist()  # one sync
+        seconds = self.clock() - self.started
+        steps = max(self.steps, 1)
+        summary = {"loss": nll / steps, "smoothed_loss": loss / steps, "lr": lr, "grad_norm": grad_norm.item(),
+                   "tokens_per_s": tokens / seconds, "step_s": seconds / steps, "data_wait": self.data_s / seconds,
+                   "skipped_steps": self.skipped,
+                   "peak_memory_mb": max(peak_memory_mb(d) for d in self.rt.devices),
+                   "memory_mb": max(current_memory_mb(d) for d in self.rt.devices)}
+        if flops:  # flops.py: FLOPs of the real tokens; MFU against one device's peak, per device
+            summary["model_flops_per_s"] = flops / seconds
+            summary["mfu"] = flops / seconds / self.rt.world_size / self.peak if self.peak else 0.0
+            summary["pad_flops_share"] = 1.0 - flops / padded if padded else 0.0
+            summary["train_flops"] = flops  # of this interval; report sums them
+        return summary
+
+
+class Profiler:
+    """torch.profiler over `steps` steps (after 1 wait + 1 warm-up step): a trace TensorBoard and
+    Perfetto open, plus an operator table in <run_dir>/profile.txt."""
+
+    def __init__(self, steps: int, trace_dir: Path, table_path: Path, cuda: bool):
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.last_step, self.table_path = steps + 2, table_path
+        self.prof = torch.profiler.profile(
+            activities=activities, record_shapes=True, profile_memory=True,
+            schedule=torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir)))
+        self.prof.start()
+        self.done = False
+
+    def step(self, step: int) -> None:
+        if self.done:
+            return
+        self.prof.step()
+        if step >= self.last_step:
+            self.prof.stop()
+            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            self.table_path.write_text(self.prof.key_averages().table(sort_by=sort, row_limit=40))
+            self.done = True
