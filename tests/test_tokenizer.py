@@ -18,6 +18,9 @@ from summarizer.errors import DataError
     ("Rates Rose 0.25", False, False, "Rates Rose 0.25"),
     ("  a \t b\n c  ", False, False, "a b c"),
     ("", True, True, ""),
+    ("shares\0in acme\0\0 fell", False, False, "shares in acme fell"),  # control characters are whitespace
+    ("\0\x01\x1b\x7f\x85\x9f\u2028\u2029\r\x0b\x0c\x1c", True, True, ""),
+    ("a\x1bb UNK\0c \x00UNK\x00", False, False, "a b <unk> c <unk>"),  # UNK whole between them too
 ])
 def test_normalize(raw, lowercase, mask_digits, expected):
     assert normalize(raw, lowercase, mask_digits) == expected

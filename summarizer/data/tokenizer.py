@@ -22,10 +22,20 @@ MASK_PIECE = "<mask>"
 _UNK_UPPER_RE = re.compile(r"(?<!\S)UNK(?!\S)")
 _UNK_TAG_RE = re.compile(r"<unk>", re.IGNORECASE)
 _DIGIT_RE = re.compile(r"\d")
+# C0 and C1 control characters (NUL, stray CRs, escapes from binary input) and the line and paragraph
+# separators: whitespace, as tab and newline already are. Left to SentencePiece, some stay inside a word as
+# unknown pieces (and come back out in a summary) and others are deleted, joining the words on either side.
+_CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def blank_controls(text: str) -> str:
+    """`text` with each control character a space (the first step of `normalize`)."""
+    return _CONTROL_RE.sub(" ", text)
 
 
 def normalize(text: str, lowercase: bool, mask_digits: bool) -> str:
     """The one text normalisation, applied at prep and again to `summarize` input."""
+    text = blank_controls(text)
     # UNK before lowercasing: after it, a real word "unk" would be indistinguishable.
     text = _UNK_UPPER_RE.sub(UNK_WORD, text)
     text = _UNK_TAG_RE.sub(UNK_WORD, text)
