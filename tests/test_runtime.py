@@ -143,3 +143,22 @@ def test_fp16_loss_scaling_runs_on_the_cpu():
     out = train_step(model, optimizer, scaler, [batch], rt, tcfg)
     assert out["finite"] and float(out["grad_norm"]) < 100  # unscaled: the scale is 32768
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_cuda_attention_leaves_out_cudnn_and_each_choice_means_one_thing():
+    """auto on CUDA: the fused kernels without cuDNN's, which plans per shape (checked without a GPU: only the
+    choice is under test). The flags set inside the context are what SDPA then dispatches on."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from summarizer.runtime.device import attention_kernels
+    fused = attention_kernels("auto", {"cuda"})
+    assert SDPBackend.CUDNN_ATTENTION not in fused and SDPBackend.FLASH_ATTENTION in fused
+    assert attention_kernels("auto", {"cuda", "cpu"}) == "explicit"  # a split with the decoder on the CPU
+    assert attention_kernels("default", {"cuda"}) == []
+    assert attention_kernels("math", {"cuda"}) == [SDPBackend.MATH]
+    with sdpa_kernel(fused):
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    rt = runtime.Runtime(torch.device("cuda"), torch.device("cuda"), "fp32")
+    with rt.compute():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after

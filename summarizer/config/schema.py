@@ -115,7 +115,8 @@ class TrainConfig:
     device: str = key("auto", resume=True)  # auto | cpu | cuda | cuda:N
     flush_denormal: bool = key(True, resume=True)  # CPU: denormal floats as zero (FTZ/DAZ): no slow path
     precision: str = key("auto", choices=PRECISIONS, resume=True)
-    # auto (explicit on CPU, torch's choice on CUDA) | default | math | flash | efficient | explicit
+    # auto (explicit on CPU; on CUDA flash, efficient, math: not cuDNN's) | default (torch's choice) | math | flash
+    # | efficient | explicit
     sdpa_backend: str = key("auto", choices=("auto", "default", "math", "flash", "efficient", "explicit"), resume=True)
     max_steps: int = key(10_000, above=0, resume=True)
     max_minutes: float = key(0.0, low=0, resume=True)  # 0 = no time limit

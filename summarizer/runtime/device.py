@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from summarizer.config.schema import Config
 from summarizer.errors import ConfigError
@@ -54,18 +55,28 @@ class Runtime:
         if self.precision != "fp32":
             for device_type in {self.device.type, self.decoder_device.type}:
                 stack.enter_context(torch.autocast(device_type=device_type, dtype=self.dtype))
-        backend = self.sdpa_backend
-        if backend == "auto":
-            # At sentence lengths on CPU, attention written out as two batched matmuls beats every
-            # SDPA kernel (bench row "attention_kernel"); on CUDA torch's own choice is the fused kernels.
-            backend = "explicit" if "cpu" in (self.device.type, self.decoder_device.type) else "default"
-        if backend == "explicit":
+        backends = attention_kernels(self.sdpa_backend, {self.device.type, self.decoder_device.type})
+        if backends == "explicit":
             stack.enter_context(explicit_attention())
-        elif backend != "default":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            stack.enter_context(sdpa_kernel({"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
-                                             "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]))
+        elif backends:
+            stack.enter_context(sdpa_kernel(backends))
         return stack
+
+
+def attention_kernels(backend: str, device_types: set[str]) -> str | list[SDPBackend]:
+    """What `train.sdpa_backend` means on these devices: "explicit" (attention as two batched matmuls), the SDPA
+    kernels allowed, or [] for torch's own choice ("default").
+
+    `auto`: explicit on a CPU, where at sentence lengths two matmuls beat every SDPA kernel (bench row
+    "attention_kernel"). On CUDA, flash, then memory-efficient, then math: every kernel but cuDNN's, which torch
+    prefers for 16-bit inputs on Hopper and which builds an execution plan for each new (batch, heads, query
+    length, key length) shape. Length-bucketed batches bring new shapes for a whole epoch, and decoding with a
+    KV cache a new key length at every step; fp32, which cuDNN's kernel does not take, never paid it."""
+    if backend == "auto":
+        backend = "explicit" if "cpu" in device_types else "fused"
+    return {"explicit": "explicit", "default": [], "math": [SDPBackend.MATH],
+            "flash": [SDPBackend.FLASH_ATTENTION], "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+            "fused": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}[backend]
 
 
 def move(x: Tensor, device: torch.device) -> Tensor:
