@@ -1,43 +1,98 @@
 """`summarize`: raw text on stdin, one per line -> one summary per line on stdout, streamed in input order."""
 from __future__ import annotations
 
+import codecs
 import itertools
-import re
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 
 from tqdm import tqdm
 
 from summarizer import runtime
 from summarizer.config.schema import Config
 from summarizer.data.prepared import check_data_settings, open_tokenizer, read_meta
+from summarizer.data.tokenizer import blank_controls
 from summarizer.decode.constraints import lexicon
 from summarizer.decode.inference import check_beam, eval_checkpoint, load_model, summary_text
 from summarizer.decode.quantize import decoding_precision
 from summarizer.decode.search import copied_unknowns, decode_all
 
-_LINE_END = re.compile(r"\r\n?|\n")
 CHUNK_LINES = 256  # lines read, decoded and written at a time: memory stays constant, output flows
+READ_BYTES = 1 << 16  # read at a time: a line of any length passes through in pieces, never whole
+# Bytes of a line kept per source token (data.max_source_len): a vocabulary piece spans at most 16 characters
+# (SentencePiece's max_sentencepiece_length) of at most 4 bytes, and this leaves ample room for whitespace.
+# What lies past them cannot reach the model, so it is never held, decoded or tokenized.
+BYTES_PER_TOKEN = 256
+# An input whose first MiB holds a CR but no \n, and no NUL (which text never holds: binary data), has old Mac
+# line ends: its lines end at CR instead.
+MAC_WINDOW = 1 << 20
 
 
-def decode_lines(raw_lines, warn) -> list[str]:
-    """Bytes lines -> text; undecodable bytes become U+FFFD and `warn(line_number)` is called for them. A line
-    that holds lone CRs (old Mac line ends) is several lines."""
+def input_lines(stream, cap: int) -> Iterator[tuple[bytes, bool]]:
+    r"""The lines of binary `stream`, each as (its first `cap` bytes, whether bytes past them were dropped), read
+    READ_BYTES at a time. A line ends at \n (a CR right before it is dropped; any other CR is whitespace), or
+    at CR in an input with old Mac line ends (MAC_WINDOW)."""
+    read = getattr(stream, "read1", stream.read)  # read1: what a pipe holds now, without waiting for more
+    pieces = iter(lambda: read(READ_BYTES), b"")
+    head = b""
+    for piece in pieces:
+        head += piece
+        if b"\n" in head or len(head) >= MAC_WINDOW:
+            break
+    end = b"\r" if b"\r" in head and b"\n" not in head and b"\0" not in head else b"\n"
+    line, cut = bytearray(), False
+    for piece in itertools.chain([head], pieces):
+        *ended, rest = piece.split(end)
+        for part in ended:
+            cut = _keep(line, part, cap) or cut
+            yield _whole(line, cut, end, cap)
+            line, cut = bytearray(), False
+        cut = _keep(line, rest, cap) or cut
+    if line or cut:
+        yield _whole(line, cut, end, cap)
+
+
+def _keep(line: bytearray, part: bytes, cap: int) -> bool:
+    """Appends what fits of `part` to `line`; whether some did not. One byte past `cap` is kept, so the CR of a
+    CR LF right at the cap is no cut."""
+    room = max(cap + 1 - len(line), 0)
+    line += part[:room]
+    return len(part) > room
+
+
+def _whole(line: bytearray, cut: bool, end: bytes, cap: int) -> tuple[bytes, bool]:
+    """A finished line: its CR of a CR LF dropped, cut to `cap` bytes."""
+    if end == b"\n" and line.endswith(b"\r"):
+        del line[-1]
+    return bytes(line[:cap]), cut or len(line) > cap
+
+
+def decode_lines(numbered: Iterable[tuple[int, tuple[bytes, bool]]], warn: Callable[[str], None],
+                 cap: int) -> list[str]:
+    """Numbered lines from `input_lines` -> text, control characters as spaces (tokenizer.blank_controls).
+    Undecodable bytes become U+FFFD; each such line, and each line cut at `cap` bytes, is named through `warn`."""
     texts = []
-    for number, raw in raw_lines:
-        text = raw.decode("utf-8", errors="replace")
+    for number, (raw, cut) in numbered:
+        # a cut may fall inside a character: its bytes there are dropped, not replaced
+        text = codecs.getincrementaldecoder("utf-8")("replace").decode(raw, final=not cut)
         if "\ufffd" in text and "\ufffd".encode() not in raw:
-            warn(number)
-        texts += _LINE_END.split(text.rstrip("\r\n"))
+            warn(f"warning: input line {number} is not valid UTF-8; undecodable bytes were replaced")
+        if cut:
+            warn(f"warning: input line {number} is longer than {cap} bytes; only its first {cap} were read "
+                 f"(data.max_source_len tokens fit well within them)")
+        texts.append(blank_controls(text))
     return texts
 
 
 def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     """Summaries of `stdin` (a binary stream) written to `stdout`, normalised the way the training data was.
 
-    Input is read CHUNK_LINES at a time, so a file of any size runs in constant memory; each chunk's
-    summaries are written and flushed in input order before the next is read. An empty line gives an
-    empty summary; a line with undecodable bytes is summarised with them replaced, and named on stderr.
+    Input is read CHUNK_LINES at a time, and of each line only what data.max_source_len can use
+    (BYTES_PER_TOKEN), so a file or a line of any size runs in constant memory; each chunk's summaries are
+    written and flushed in input order before the next is read. One input line (`input_lines`) gives one
+    output line, whatever its bytes: an empty line gives an empty summary, control characters are spaces,
+    and a line with undecodable bytes, or cut for its length, is summarised all the same and named on stderr.
     `quiet` prints no bar and no summary line.
     """
     rt = runtime.setup(cfg, decoding_precision(cfg))
@@ -47,14 +102,15 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     tokenizer = open_tokenizer(cfg.data.dir)
     model, _ = load_model(eval_checkpoint(cfg), rt, meta, cfg.eval.quantize)
     norm = meta["normalization"]
-    numbered = enumerate(stdin, start=1)
+    cap = BYTES_PER_TOKEN * cfg.data.max_source_len
+    numbered = enumerate(input_lines(stdin, cap), start=1)
     bar = tqdm(unit=" lines", desc="summarize", file=sys.stderr, disable=True if quiet else None)
     started, lines = time.perf_counter(), 0
 
-    def warn(number: int) -> None:
-        bar.write(f"warning: input line {number} is not valid UTF-8; undecodable bytes were replaced", file=sys.stderr)
+    def warn(message: str) -> None:
+        bar.write(message, file=sys.stderr)
 
-    while chunk := decode_lines(itertools.islice(numbered, CHUNK_LINES), warn):
+    while chunk := decode_lines(itertools.islice(numbered, CHUNK_LINES), warn, cap):
         sources = [tokenizer.encode_raw(text, norm)[:cfg.data.max_source_len] for text in chunk]
         hyps = decode_all(model, sources, cfg.eval, rt, lexicon=lexicon(cfg.data.dir))
         copied = copied_unknowns(model, sources, hyps, rt) if cfg.eval.readable else [None] * len(hyps)

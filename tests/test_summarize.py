@@ -1,0 +1,112 @@
+"""Tests for summarizer/summarize.py: one output line per input line whatever its bytes, and memory bounded by
+data.max_source_len, not by the input."""
+import io
+import random
+
+import pytest
+
+from summarizer import summarize
+from summarizer.config.load import load_config
+
+
+class LargestRead:
+    """A binary stream over `data` that remembers the most bytes one call handed out, whichever call it was."""
+
+    def __init__(self, data: bytes):
+        self.stream, self.largest = io.BytesIO(data), 0
+
+    def _note(self, got: bytes) -> bytes:
+        self.largest = max(self.largest, len(got))
+        return got
+
+    def read(self, n=-1):
+        return self._note(self.stream.read(n))
+
+    def read1(self, n=-1):
+        return self._note(self.stream.read1(n))
+
+    def readline(self, n=-1):
+        return self._note(self.stream.readline(n))
+
+    def __iter__(self):
+        return iter(self.readline, b"")
+
+
+def run(trained_run, stdin, *overrides: str) -> list[str]:
+    """`summarize` of binary `stdin` (bytes or a stream) in float32 with greedy search: its output lines."""
+    _, args = trained_run
+    cfg = load_config(args[1], [*args[2:], "eval.quantize=none", "eval.beam_size=1", *overrides])
+    out = io.StringIO()
+    summarize.summarize_stream(cfg, io.BytesIO(stdin) if isinstance(stdin, bytes) else stdin, out, quiet=True)
+    text = out.getvalue()
+    assert len(text.splitlines()) == text.count("\n")  # no line break but \n, by splitlines' definition either
+    return text.split("\n")[:-1]
+
+
+@pytest.mark.parametrize("read_bytes", [3, 1 << 16])
+def test_input_lines_end_at_newline_only_and_keep_their_first_cap_bytes(monkeypatch, read_bytes):
+    """Against the plain definition, with pieces far shorter than a line and as long as the reads are."""
+    monkeypatch.setattr(summarize, "READ_BYTES", read_bytes)
+    rng = random.Random(0)
+    alphabet = [b"a", b"b", b" ", b"\r", b"\n", b"\0", b"\xff", b"\r\n"]
+    for _ in range(200):
+        data = b"\n" + b"".join(rng.choice(alphabet) for _ in range(rng.randrange(60)))  # a \n: not old Mac
+        expected = data.split(b"\n")
+        expected = expected[:-1] if expected[-1] == b"" else expected  # a last line needs no \n
+        expected = [line[:-1] if line.endswith(b"\r") else line for line in expected]
+        got = list(summarize.input_lines(io.BytesIO(data), 5))
+        assert got == [(line[:5], len(line) > 5) for line in expected], data
+
+
+def test_old_mac_input_ends_lines_at_cr(monkeypatch):
+    """Text with CRs and no \n; binary data (it holds NULs) with CRs and no \n is one line all the same."""
+    monkeypatch.setattr(summarize, "READ_BYTES", 4)
+    lines = list(summarize.input_lines(io.BytesIO(b"first line\rsecond\r\rlast"), 100))
+    assert lines == [(b"first line", False), (b"second", False), (b"", False), (b"last", False)]
+    assert list(summarize.input_lines(io.BytesIO(b"\x93\rA\0\r\xff"), 100)) == [(b"\x93\rA\0\r\xff", False)]
+
+
+def test_a_long_line_is_read_in_pieces_cut_named_once_and_gives_one_line(trained_run, capsys):
+    """A 5 MB line between two short ones: three summaries, one notice naming line 2, no read of more than a
+    small piece, and the cut line summarised as its start alone is (data.max_source_len=8 reaches no further)."""
+    start = "the mayor of springfield opened a new park on monday . "
+    stdin = LargestRead(f"rain fell .\n{start * 100_000}\nrain fell .\n".encode())
+    assert len(stdin.stream.getbuffer()) > 5_000_000
+    lines = run(trained_run, stdin, "data.max_source_len=8")
+    err = capsys.readouterr().err
+    assert len(lines) == 3 and lines[0] == lines[2] and lines[1]
+    assert err.count("longer than") == 1 and "input line 2 is longer than 2048 bytes" in err
+    assert stdin.largest <= 100_000
+    assert lines[1] == run(trained_run, f"{start * 2}\n".encode(), "data.max_source_len=8")[0]
+
+
+def test_nul_bytes_inside_a_line_are_spaces(trained_run):
+    with_nuls = run(trained_run, b"acme corp shares\0fell 3.5 percent\0\0 on friday .\n")
+    with_spaces = run(trained_run, b"acme corp shares fell 3.5 percent   on friday .\n")
+    assert with_nuls == with_spaces and "\0" not in with_nuls[0]
+
+
+def test_a_line_of_nul_bytes_gives_an_empty_line(trained_run):
+    assert run(trained_run, b"\0\0\0\0\n\0\n") == ["", ""]
+
+
+def test_a_random_binary_line_gives_one_line(trained_run, capsys):
+    """5 kB of random bytes (CRs, NULs, invalid UTF-8, C1 controls) and no \\n: one line in, one line out."""
+    binary = bytes(b for b in random.Random(1).randbytes(5200) if b != ord("\n"))[:5000]
+    assert b"\r" in binary and b"\0" in binary and b"\x85" in binary
+    lines = run(trained_run, b"rain fell .\n" + binary + b"\nrain fell .\n")
+    assert len(lines) == 3 and lines[0] == lines[2] and not any(c < " " for c in lines[1])
+    assert "input line 2 is not valid UTF-8" in capsys.readouterr().err
+    assert len(run(trained_run, binary)) == 1  # alone, without even a \n: still one line
+
+
+def test_n_lines_in_give_n_lines_out_whatever_their_bytes(trained_run):
+    """Every kind of line break other than \\n is whitespace inside a line: lone CR, vertical tab, form feed,
+    the file/group/record separators, NEL, and the Unicode line and paragraph separators."""
+    texts = ["the mayor opened a new park on monday .", "", "rain fell\rin paris .", "shares\x0bfell\x0c.",
+             "a\x1cb\x1dc\x1ed", "talks\x85resume\u2028today\u2029.", "\r", "x\r\x00\r", "last line"]
+    stdin = "\n".join(texts).encode() + b"\r\n"  # the last line ends in CR LF
+    lines = run(trained_run, stdin)
+    assert len(lines) == len(texts) and lines[1] == "" and lines[6] == ""
+    alone = run(trained_run, b"rain fell in paris .\n")
+    assert lines[2] == alone[0]
