@@ -84,6 +84,7 @@ def test_eval_writes_the_readable_form_beside_the_scored_one_and_summarize_can_p
     import io
 
     from summarizer.__main__ import main
+    from summarizer.data.prepared import read_pairs
     tmp, args = trained_run
     out = tmp / "readable_eval"
     assert main(["eval", *args, "eval.beam_size=1", f"eval.out_dir={out}"]) == 0
@@ -91,11 +92,16 @@ def test_eval_writes_the_readable_form_beside_the_scored_one_and_summarize_can_p
     for_people = (out / "predictions.readable.txt").read_text().splitlines()
     assert len(scored) == len(for_people) == 40
     assert all(p[:1] == p[:1].upper() for p in for_people if p)
-    assert [p.lower().replace(" ", "") for p in for_people][:5] == [s.replace(" ", "") for s in scored][:5]
+    # Whatever the model, trained in the run, writes (punctuation, <unk>, quotes): each line for people is the
+    # readable form of the same line as scored; an unknown piece (⁇) is the one thing only the copy can spell.
+    sources = [p["source"] for p in read_pairs(tmp / "data", "test")]
+    assert [p if "\u2047" in s else readable(s, src) for s, p, src in zip(scored, for_people, sources, strict=True)] \
+        == for_people
     capsys.readouterr()
     outputs = []
+    source = "the mayor opened a new park on monday ."
     for switch in ("true", "false"):
-        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"the mayor opened a new park on monday .\n")))
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(f"{source}\n".encode())))
         assert main(["summarize", *args, "eval.beam_size=1", f"eval.readable={switch}"]) == 0
         outputs.append(capsys.readouterr().out.strip())
-    assert outputs[0][:1].isupper() and outputs[1] == outputs[1].lower() and outputs[0].lower() == outputs[1]
+    assert outputs[1] == outputs[1].lower() and outputs[0] == readable(outputs[1], source)
