@@ -11,7 +11,7 @@ import signal
 import sys
 
 from summarizer.config.load import load_config
-from summarizer.errors import UserError
+from summarizer.errors import Stopped, UserError
 
 COMMANDS = {
     "train": "train a run; resumes from the run's latest checkpoint",
@@ -53,12 +53,16 @@ def run(args: argparse.Namespace) -> int:
         best = "n/a" if best is None else f"{best['metric']} {best['value']:.4g}"
         print(f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best valid {best}; "
               f"checkpoints in {summary['run_dir']}")
-        if summary["signal"] is not None:  # checkpointed, but not finished: say so, and exit as shells expect
-            name = signal.Signals(summary["signal"]).name
-            print(f"interrupted by {name} at step {summary['steps']}, after writing its checkpoint; run the same "
-                  f"command again to resume", file=sys.stderr)
-            return 128 + summary["signal"]
-        return 0
+        if summary["signal"] is None:
+            return 0
+        name = signal.Signals(summary["signal"]).name
+        if summary["finished"]:  # the signal cut the final validation short: the training itself is complete
+            print(f"finished at step {summary['steps']}; {name} cut its final validation short (best.pt is the best "
+                  f"validated before it; `make eval` scores any checkpoint)", file=sys.stderr)
+            return 0
+        print(f"stopped by {name} at step {summary['steps']}, after writing its checkpoint; run the same command "
+              f"again to resume", file=sys.stderr)
+        return 128 + summary["signal"]  # as shells expect, so a scheduler records a stop, not a failure
     if args.command == "overfit":
         from summarizer.overfit import overfit_check
         return overfit_check(cfg)
@@ -88,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # a second stop signal (Stopped), or Ctrl-C outside training
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"stopped by a second {signal.Signals(signum).name}: exiting at once; checkpoints already written "
+              f"are intact" if isinstance(exc, Stopped) else "interrupted", file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:  # the reader went away (`summarize ... | head -1`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 1

@@ -15,3 +15,11 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint is missing, corrupt, or of another format version."""
+
+
+class Stopped(KeyboardInterrupt):
+    """A second stop signal: exit at once with 128 + `signum` (the checkpoints already written are intact)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

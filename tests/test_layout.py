@@ -214,3 +214,56 @@ def test_the_readme_code_map_names_every_module():
     modules_ = [p.relative_to(root).as_posix() for p in sorted(PACKAGE.rglob("*.py"))
                 if len(ast.parse(p.read_text()).body) > 1]  # not empty, nor a package's docstring alone
     assert [m for m in modules_ if f"`{m}`" not in readme] == []
+
+
+# The test files of each module of the core (a module without a test file of its own names the ones that cover it).
+TESTED_BY = {
+    "errors.py": ["test_bad_input.py"],
+    "outputs.py": ["test_outputs.py"],
+    "config/schema.py": ["test_config.py"],
+    "config/checks.py": ["test_config.py", "test_bad_input.py"],
+    "config/load.py": ["test_config.py", "test_bad_input.py"],
+    "config/resume.py": ["test_config.py", "test_train.py"],
+    "data/tokenizer.py": ["test_tokenizer.py"],
+    "data/pairs.py": ["test_evaluate.py", "test_bad_input.py"],
+    "data/prepared.py": ["test_data_prep.py", "test_data.py"],
+    "data/batches.py": ["test_data.py"],
+    "data/subwords.py": ["test_subwords.py"],
+    "data/noise.py": ["test_noise.py"],
+    "model/transformer.py": ["test_model.py"],
+    "model/dropout.py": ["test_dropout.py"],
+    "model/checkpoint.py": ["test_checkpoint.py"],
+    "runtime/device.py": ["test_runtime.py"],
+    "runtime/distributed.py": ["test_distributed.py"],
+    "runtime/placement.py": ["test_runtime.py", "test_distributed.py"],
+    "decode/search.py": ["test_decoding.py"],
+    "decode/constraints.py": ["test_decoding.py"],
+    "decode/quantize.py": ["test_decoding.py", "test_evaluate.py"],
+    "decode/readable.py": ["test_readable.py"],
+    "decode/inference.py": ["test_evaluate.py", "test_scoring.py", "test_readable.py"],
+    "evaluation/scoring.py": ["test_scoring.py"],
+    "evaluation/evaluate.py": ["test_evaluate.py"],
+    "train/loop.py": ["test_train.py"],
+    "train/session.py": ["test_train.py"],
+    "train/validation.py": ["test_train.py"],
+    "train/losses.py": ["test_losses_optim.py"],
+    "train/optim.py": ["test_losses_optim.py"],
+    "train/watch/monitor.py": ["test_train.py", "test_module_stats.py"],
+    "train/watch/flops.py": ["test_flops.py"],
+    "train/watch/module_stats.py": ["test_module_stats.py"],
+    "train/watch/nonfinite.py": ["test_train.py"],
+    "train/watch/spikes.py": ["test_spikes.py"],
+    "summarize.py": ["test_summarize.py"],
+    "overfit.py": ["test_train.py"],
+}
+
+
+def test_every_module_of_the_core_names_the_tests_that_cover_it():
+    """tests/ mirrors the package: each core module has its test file, or TESTED_BY names the ones covering it."""
+    core = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+                  if is_core(p.relative_to(PACKAGE.parent).as_posix()) and p.name != "__init__.py")
+    tests = PACKAGE.parent / "tests"
+    for module in core:
+        named = TESTED_BY.get(module, [f"test_{Path(module).stem}.py"])
+        assert named and all((tests / t).is_file() for t in named), (module, named)
+    assert sorted(set(TESTED_BY) - set(core)) == []  # no entry for a module that is gone

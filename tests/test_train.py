@@ -14,6 +14,7 @@ from summarizer import runtime
 from summarizer.config.load import load_config
 from summarizer.data.batches import PairDataset, collate
 from summarizer.errors import ConfigError, DataError
+from summarizer.model import checkpoint
 from summarizer.model.transformer import Seq2Seq
 from summarizer.runtime import move_batch
 from summarizer.train import loop as train_mod
@@ -111,7 +112,7 @@ def test_checkpoint_and_validation_time_stay_out_of_the_throughput_window(tiny_d
 
     monkeypatch.setattr(train_mod, "Window", functools.partial(train_mod.Window, clock=lambda: now[0]))
     monkeypatch.setattr(train_mod, "train_step", taking(0.1, train_mod.train_step))
-    monkeypatch.setattr(train_mod.checkpoint, "save_step", taking(100.0, train_mod.checkpoint.save_step))
+    monkeypatch.setattr(checkpoint, "save_step", taking(100.0, checkpoint.save_step))
     monkeypatch.setattr(validation, "evaluate_loss", taking(100.0, validation.evaluate_loss))
     train_mod.train(make_cfg(tiny_data, tmp_path / "run", "train.max_steps=30", "train.ckpt_every=10",
                              "train.eval_every=10", "train.rouge_every=0", "train.select_by=loss"))
@@ -186,7 +187,7 @@ def test_signal_to_the_process_group_checkpoints_then_exits_as_interrupted(tiny_
     os.killpg(proc.pid, sig)
     assert proc.wait(timeout=600) == 128 + sig, proc.stdout.read().decode()[-2000:]
     output = proc.stdout.read().decode()
-    assert f"interrupted by {signal.Signals(sig).name}" in output and "again to resume" in output
+    assert f"stopped by {signal.Signals(sig).name}" in output and "again to resume" in output
     # stderr is a pipe, not a terminal: one line per log interval, no progress bar's carriage returns
     assert "\r" not in output and "step 5/100000 train loss" in output
     pointer = json.loads((tmp_path / "run" / "latest.json").read_text())

@@ -19,16 +19,52 @@ from summarizer.outputs import release_inherited_locks
 
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def init_worker(worker_id: int) -> None:
     """DataLoader worker_init_fn: let go of the run dir's lock, seed numpy/random from torch's per-worker seed,
     and ignore SIGINT and SIGTERM. Ctrl-C and schedulers signal the whole process group; a worker that died of it
-    would crash the main process before it could checkpoint. The main process decides, then stops them."""
+    would crash the main process before it could checkpoint. The main process decides, then stops them. The
+    worker started with both signals blocked (SignalSafeLoader): one that came since is dropped here, unhandled."""
     release_inherited_locks()
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+class SignalSafeLoader(DataLoader):
+    """A DataLoader whose worker processes start with SIGINT and SIGTERM blocked, until init_worker ignores them:
+    torch's worker dies of a SIGTERM sent to the process group before its worker_init_fn runs, which the main
+    process would report as a crashed worker instead of the stop it is. The main process gets its own signal
+    when the workers have started."""
+
+    def __iter__(self):
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def stop_workers(*loaders: DataLoader) -> None:
+    """End the worker processes of `loaders` now. DataLoader has no public shutdown for persistent workers, so
+    this calls the iterator's own (`_shutdown_workers`: the workers leave torch's watch list and are asked to
+    exit), then SIGKILLs any that did not: workers ignore SIGTERM, which is all that shutdown and
+    multiprocessing's exit handler send before waiting for a worker to end, so a stuck one would be waited on
+    forever at exit."""
+    for loader in loaders:
+        iterator, loader._iterator = getattr(loader, "_iterator", None), None
+        if iterator is None or not hasattr(iterator, "_shutdown_workers"):
+            continue
+        iterator._shutdown_workers()
+        for worker in iterator._workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=10)
 
 
 class PairDataset(Dataset):
@@ -234,7 +270,7 @@ def make_loader(dataset: PairDataset, sampler: TokenBatchSampler, cfg: DataConfi
                 device: torch.device, seed: int) -> DataLoader:
     workers = cfg.num_workers
     extra = {"persistent_workers": cfg.persistent_workers, "prefetch_factor": cfg.prefetch_factor} if workers else {}
-    return DataLoader(
+    return SignalSafeLoader(
         dataset, batch_sampler=sampler, collate_fn=functools.partial(collate, pad_multiple=cfg.pad_multiple),
         num_workers=workers,
         # Page-locked host buffers make host->GPU copies faster and allow them to be asynchronous.

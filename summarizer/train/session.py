@@ -2,6 +2,7 @@
 optimizer, schedule, the weights' moving average, progress; and the snapshot a checkpoint stores."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from summarizer import runtime
 from summarizer.config.load import save_config, to_dict
 from summarizer.config.resume import check_resume
 from summarizer.config.schema import Config
-from summarizer.data.batches import PairDataset, TokenBatchSampler, make_loader
+from summarizer.data.batches import PairDataset, TokenBatchSampler, make_loader, stop_workers
 from summarizer.data.noise import SpanMasker, word_starts
 from summarizer.data.prepared import check_data_settings, open_tokenizer, read_meta, source_weights, valid_split
 from summarizer.data.subwords import SegmentationSampler
@@ -24,15 +25,14 @@ from summarizer.data.tokenizer import Tokenizer
 from summarizer.errors import ConfigError
 from summarizer.model import checkpoint
 from summarizer.model.transformer import Seq2Seq, count_parameters
-from summarizer.outputs import claim_dir, claim_events_dir, hold_lock
+from summarizer.outputs import claim_dir, claim_events_dir, hold_lock, release_lock
 from summarizer.runtime import Runtime
 from summarizer.runtime.placement import place_model
 from summarizer.train.optim import build_optimizer, build_scheduler
 from summarizer.train.watch import spikes
 from summarizer.train.watch.monitor import Monitor, read_manifest, write_manifest
 
-# What a run writes to its run dir (besides ckpt_*.pt): how a run dir written before the ownership
-# marker is recognised, and what `make overfit` may clear.
+# What a run writes to its run dir (besides ckpt_*.pt): what `make overfit` may clear from its own dir.
 RUN_FILES = ("config.yaml", "manifest.json", "metrics.jsonl", checkpoint.LATEST, checkpoint.BEST, "profile.txt")
 
 
@@ -177,6 +177,17 @@ class Session:
     def snapshot(self) -> dict:
         return snapshot(self.cfg, self.meta, self.model, self.optimizer, self.scaler, self.ema, self.progress)
 
+    def close(self) -> None:
+        """End the run's data workers, logs and lock on every exit path, an error on the way out included: no
+        worker outlives the run (stop_workers) and a removed run dir does not hide the error that ended it."""
+        self.stream.close()
+        stop_workers(*(loader for loader in (self.train_loader, self.valid_loader) if loader is not None))
+        with contextlib.suppress(OSError):
+            self.monitor.close()
+        if self.lock is not None:
+            with contextlib.suppress(OSError):
+                release_lock(self.lock)
+
     def best_snapshot(self) -> dict:
         """best.pt: the validated weights (the average, if kept) as its model; nothing to resume from."""
         return {**{k: v for k, v in self.snapshot().items() if k not in ("optimizer", "scaler", "ema")},
@@ -193,7 +204,7 @@ def open_session(cfg: Config) -> Session:
     init = initial_weights(cfg, meta) if checkpoint.latest_path(cfg.run_dir) is None else None
     lock = None
     if rt.is_main:
-        claim_dir(cfg.run_dir, "run", "run.dir", legacy=RUN_FILES, also=("overfit",))
+        claim_dir(cfg.run_dir, "run", "run.dir", also=("overfit",))
         lock = hold_lock(cfg.run_dir, "run.dir")  # held until the run's process ends: one run per run dir
         claim_events_dir(cfg.tensorboard_dir, cfg.run_dir)
     state, changes = resume_state(cfg, meta)

@@ -2,6 +2,7 @@
 and which checkpoint is the best so far (train.select_by)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -43,19 +44,22 @@ def evaluate_loss(model: nn.Module, loader, rt: Runtime, activations: bool = Fal
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(totals[1]), **rms}
 
 
-def validate(s: Session, extra: dict, rouge: bool) -> bool:
+def validate(s: Session, extra: dict, rouge: bool, abandonable=contextlib.nullcontext) -> bool:
     """Validation loss, ROUGE on a fixed valid subset when due, samples, and best-checkpoint
-    bookkeeping by `train.select_by`; True when patience runs out."""
-    started = time.perf_counter()
-    metrics = evaluate_loss(s.eval_model, s.valid_loader, s.rt, s.cfg.train.module_stats)
-    metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
-    if rouge:
-        # Every rank decodes the same subset deterministically, so all agree on the best without talking.
-        metrics.update(valid_rouge(s))
+    bookkeeping by `train.select_by`; True when patience runs out. The measuring runs inside `abandonable`
+    (a stop signal may abandon it there), the bookkeeping after it never is."""
+    with abandonable():
+        started = time.perf_counter()
+        metrics = evaluate_loss(s.eval_model, s.valid_loader, s.rt, s.cfg.train.module_stats)
+        metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
+        if rouge:
+            # Every rank decodes the same subset deterministically, so all agree on the best without talking.
+            metrics.update(valid_rouge(s))
+        samples = sample_summaries(s.eval_model, s.valid_ds, s.tokenizer, s.rt, s.cfg) \
+            if s.rt.is_main and s.cfg.train.sample_summaries else None
     s.monitor.log(s.progress["step"], "valid", {**metrics, **extra})
-    if s.rt.is_main and s.cfg.train.sample_summaries:
-        s.monitor.text("samples", sample_summaries(s.eval_model, s.valid_ds, s.tokenizer, s.rt, s.cfg),
-                       s.progress["step"])
+    if samples is not None:
+        s.monitor.text("samples", samples, s.progress["step"])
     metric = "rouge1" if s.cfg.train.select_by == "rouge" else "loss"
     if metric not in metrics:
         return False  # the best is judged only where ROUGE was measured

@@ -1,0 +1,206 @@
+"""What stops or rewinds a run safely: stop signals, dead DataLoader workers, out of memory, a removed run dir,
+another rank's failure and loss spikes. Each is acted on between steps, where weights and data position agree."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+import torch
+
+from summarizer import runtime
+from summarizer.config.schema import Config
+from summarizer.errors import Stopped, UserError
+from summarizer.model import checkpoint
+from summarizer.outputs import MARKER
+from summarizer.runtime import Runtime
+from summarizer.train.session import Session, rollback
+from summarizer.train.watch import spikes
+from summarizer.train.watch.monitor import add_rollback, memory_report
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class TrainingAborted(UserError):
+    """Training cannot go on (non-finite losses, out of memory); the message says what to change."""
+
+
+class StopRequested(Exception):
+    """Raised inside `StopFlag.interruptible` blocks (validation) when a stop signal arrives: abandon them."""
+
+
+class StopFlag:
+    """SIGINT/SIGTERM ask the run to stop. Between steps the loop writes the finished step's checkpoint first and
+    exits; inside `interruptible` (validation, which changes no weights) the work is abandoned at once for that
+    checkpoint; a second signal exits at once (errors.Stopped). Schedulers give a stopped job seconds (Slurm's
+    KillWait and Kubernetes' grace period: 30 s, `docker stop`: 10 s) before SIGKILL."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._pid, self._interruptible = os.getpid(), False
+        self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def _handle(self, signum, frame):
+        if os.getpid() != self._pid:  # a DataLoader worker forked before init_worker ignores signals: not its call
+            return
+        if self.requested:
+            raise Stopped(signum)
+        self.signum = signum
+        if self._interruptible:
+            raise StopRequested
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        """A block that a stop signal abandons (StopRequested) instead of waiting for it to finish."""
+        if self.requested:
+            raise StopRequested
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class ChildSignals:
+    """A DataLoader worker's death (SIGCHLD) is acted on between steps, never inside one: the DataLoader's
+    handler raises wherever the main thread happens to be, and an error between the optimizer's update and
+    the step's bookkeeping would leave weights and data position out of step with each other."""
+
+    def __init__(self):
+        self.pending, self._previous = False, None
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self._previous = signal.signal(signal.SIGCHLD, self._note)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGCHLD, self._previous)
+
+    def _note(self, signum, frame):
+        self.pending = True
+
+    def deliver(self) -> None:
+        """Run the DataLoader's own handler for a SIGCHLD that came during a step (it raises if a worker died)."""
+        if self.pending and callable(self._previous):
+            self.pending = False
+            self._previous(signal.SIGCHLD, None)
+
+
+def agree(flag: bool, rt: Runtime) -> bool:
+    """Every rank stops together, or the others would wait forever in the next all-reduce."""
+    if not rt.distributed:
+        return flag
+    return bool(runtime.all_reduce_sum(torch.tensor(float(flag), device=rt.device), rt) > 0)
+
+
+def save_now(session: Session) -> None:
+    """The current step's checkpoint (rank 0 writes it; the others hold the same state)."""
+    if session.rt.is_main:
+        checkpoint.save_step(session.snapshot(), session.cfg.run_dir, session.cfg.train.keep_last)
+
+
+def worker_died(exc: BaseException) -> bool:
+    """Is this the error the DataLoader raises when one of its worker processes died?"""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and "DataLoader worker" in text and (
+        "killed by signal" in text or "exited unexpectedly" in text)
+
+
+def dead_worker(session: Session, stop: StopFlag, exc: RuntimeError) -> None:
+    """A DataLoader worker died, noticed between steps: checkpoint, then stop as a stop signal does when one came
+    (a signal sent to the process group can reach a worker before it ignores signals), or abort clearly (the
+    out-of-memory killer's SIGKILL is the usual cause)."""
+    save_now(session)
+    cfg = session.cfg
+    if stop.requested:
+        session.monitor.write(f"stopping at step {session.progress['step']}: {stop.name} (a DataLoader worker "
+                              f"ended with it); checkpoint written")
+        return
+    raise TrainingAborted(
+        f"{exc} (step {session.progress['step']}). When a worker is killed by SIGKILL it is usually the system's "
+        f"out-of-memory killer: lower data.num_workers (now {cfg.data.num_workers}) or data.prefetch_factor "
+        f"(now {cfg.data.prefetch_factor}), or free memory. The last completed step was checkpointed; run the "
+        f"same command again to resume exactly.") from None
+
+
+def out_of_memory(exc: BaseException, micro_batches: list[dict], cfg: Config, rt: Runtime, step: int):
+    """The message for a step that ran out of memory: its shapes, the devices' memory, and what to change."""
+    shapes = ", ".join(f"{tuple(b['src_ids'].shape)}->{tuple(b['tgt_in'].shape)}" for b in micro_batches)
+    tokens = sum(b["n_src"] + b["n_tgt"] for b in micro_batches)
+    return TrainingAborted(
+        f"out of memory at step {step} ({type(exc).__name__}); batch shapes {shapes}, {tokens} tokens; "
+        f"{'; '.join(memory_report(d) for d in rt.devices)}. Lower data.batch_tokens (now {cfg.data.batch_tokens}) "
+        f"and raise train.accum_steps (now {cfg.train.accum_steps}) to keep the same effective batch. "
+        f"Checkpoints already written are intact; the run resumes from the latest.")
+
+
+def rank_failed(exc: BaseException, rt: Runtime, step: int) -> TrainingAborted | None:
+    """The message for a collective that failed because another rank of the run died; None for other errors."""
+    if not rt.distributed or not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc)
+    if not (isinstance(exc, torch.distributed.DistError) or "gloo" in text.lower() or "nccl" in text.lower()
+            or "Connection closed by peer" in text or "Connection reset by peer" in text):
+        return None
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+    return TrainingAborted(
+        f"rank {rt.rank}: another rank of the run stopped during step {step + 1} ({first}); every rank stops. "
+        f"Checkpoints already written are intact: run the same command again to resume from the latest.")
+
+
+def run_dir_removed(exc: BaseException, cfg: Config) -> TrainingAborted | None:
+    """The message for a write that failed because the run dir itself is gone; None for other errors. The
+    ownership marker tells: a write may already have made the dir again, empty."""
+    if not isinstance(exc, FileNotFoundError) or (cfg.run_dir / MARKER).exists():
+        return None
+    return TrainingAborted(
+        f"the run dir {cfg.run_dir} was removed while the run trained ({exc.filename} could not be written): "
+        f"its checkpoints went with it, so nothing more can be saved. Start the run again (it begins anew), or "
+        f"with another run.dir")
+
+
+def roll_back_spike(session: Session, fetched: list, out: dict) -> bool:
+    """True when this step's loss was a spike and the run went back to its newest checkpoint, never to train on
+    this step's batches again (summarizer/train/watch/spikes.py); the step's loss joins the window otherwise."""
+    train_cfg, progress = session.cfg.train, session.progress
+    step, loss = progress["step"], spikes.step_loss(out, session.rt)
+    threshold = spikes.limit(progress, train_cfg)
+    if threshold is None or loss <= threshold:
+        spikes.remember(progress, loss, train_cfg)
+        return False
+    batches = [[epoch, position] for _, epoch, position in fetched]
+    recent = spikes.too_many([*session.rollbacks, {"step": step}], step, train_cfg)
+    if recent:
+        raise TrainingAborted(
+            f"loss spike at step {step} ({loss:.3f} > {threshold:.3f}): {len(recent)} rollbacks within "
+            f"train.spike_window={train_cfg.spike_window} steps (at steps {', '.join(map(str, recent))}), so the "
+            f"spikes are not a few bad batches. Lower train.lr (now {train_cfg.lr}) or raise train.warmup_steps, "
+            f"raise train.spike_factor (now {train_cfg.spike_factor}), or set it to 0 to train through them. "
+            f"Checkpoints already written are intact; manifest.json lists the rollbacks (spike_rollbacks)")
+    spike = (f"loss spike ({loss:.3f} > {threshold:.3f}, mean + {train_cfg.spike_factor} std of the last "
+             f"{train_cfg.spike_window} steps)")
+    to = rollback(session)
+    if to is None:
+        session.monitor.write(f"step {step}: {spike}, but no checkpoint to roll back to yet: training on")
+        return False
+    record = {"step": step, "loss": loss, "threshold": threshold, "batches": batches, "rolled_back_to": to}
+    session.rollbacks.append(record)
+    session.skip.update(tuple(b) for b in batches)
+    if session.rt.is_main:
+        add_rollback(session.cfg.run_dir, record)
+    session.monitor.write(f"step {step}: {spike}: rolled back to step {to}; the batches at (epoch, position) "
+                          f"{', '.join(map(str, map(tuple, batches)))} are skipped from now on (manifest.json)")
+    return True

@@ -1,0 +1,211 @@
+"""Tests for summarizer/train/guard.py and the stop path of the loop: a stop signal checkpoints the step in progress
+first (no extra step, no validation), a second one exits at once, a run finished before its final validation was cut
+short says finished, workers start deaf to the group's signals, and nothing waits forever on the way out."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from summarizer.__main__ import main
+from summarizer.config.load import load_config
+from summarizer.data.batches import SignalSafeLoader, init_worker
+from summarizer.model import checkpoint
+from summarizer.train import guard
+from summarizer.train import loop as train_mod
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.d_model=32", "model.n_heads=4", "model.encoder_layers=1", "model.decoder_layers=1",
+         "model.ffn_dim=64", "data.batch_tokens=400", "data.num_workers=0", "train.log_every=5",
+         "train.warmup_steps=10", "train.sample_summaries=0", "train.module_stats=false"]
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    from data_prep.__main__ import main as prep
+    data_dir = tmp_path_factory.mktemp("data") / "tiny"
+    assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={data_dir}"]) == 0
+    return data_dir
+
+
+def overrides(tiny_data, run_dir, *extra):
+    return [f"data.dir={tiny_data}", f"run.dir={run_dir}", f"run.tensorboard_dir={run_dir}/tb", *SMALL, *extra]
+
+
+def records(run_dir, split):
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == split]
+
+
+def latest_step(run_dir) -> int:
+    return json.loads((Path(run_dir) / checkpoint.LATEST).read_text())["step"]
+
+
+def test_a_stop_signal_during_a_step_checkpoints_that_step_without_validating(tiny_data, tmp_path, monkeypatch):
+    real_step, validated = train_mod.train_step, []
+
+    def step_signalled_at_7(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        if len(records_seen) == 6:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while step 7 is in progress
+        records_seen.append(1)
+        return out
+
+    records_seen = []
+    monkeypatch.setattr(train_mod, "train_step", step_signalled_at_7)
+    monkeypatch.setattr(train_mod, "validate", lambda *a: validated.append(a[0].progress["step"]) or False)
+    cfg = load_config(ROOT / "configs/tiny.yaml", overrides(tiny_data, tmp_path / "run", "train.max_steps=100",
+                                                            "train.eval_every=5", "train.ckpt_every=100"))
+    summary = train_mod.train(cfg)
+    assert summary["signal"] == signal.SIGTERM and not summary["finished"]
+    assert summary["steps"] == 7 and latest_step(tmp_path / "run") == 7  # no step after the signal's
+    assert validated == [5]  # none at the stop: the checkpoint comes first, and is all there is
+
+
+def test_a_stop_signal_during_validation_abandons_it_for_the_checkpoint(tiny_data, tmp_path, monkeypatch):
+    finished = []
+
+    def long_validation(session, extra, rouge, abandonable):
+        with abandonable():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(600):  # a minute of ROUGE on a busy machine: the signal must not wait for it
+                time.sleep(0.1)
+        finished.append(session.progress["step"])
+        return False
+
+    monkeypatch.setattr(train_mod, "validate", long_validation)
+    cfg = load_config(ROOT / "configs/tiny.yaml", overrides(tiny_data, tmp_path / "run", "train.max_steps=100",
+                                                            "train.eval_every=5", "train.ckpt_every=100"))
+    summary = train_mod.train(cfg)
+    assert finished == [] and summary["steps"] == 5 and latest_step(tmp_path / "run") == 5
+    assert summary["signal"] == signal.SIGTERM
+
+
+def test_a_signal_during_the_final_validation_reports_a_finished_run(tiny_data, tmp_path, monkeypatch, capsys):
+    def signalled_validation(session, extra, rouge, abandonable):
+        with abandonable():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)
+        return False
+
+    monkeypatch.setattr(train_mod, "validate", signalled_validation)
+    rc = main(["train", "--config", str(ROOT / "configs/tiny.yaml"),
+               *overrides(tiny_data, tmp_path / "run", "train.max_steps=10", "train.eval_every=100")])
+    err = capsys.readouterr().err
+    assert rc == 0 and "finished at step 10" in err and "resume" not in err
+    assert latest_step(tmp_path / "run") == 10
+
+
+def test_a_second_signal_exits_at_once(tiny_data, tmp_path, monkeypatch, capsys):
+    real_save = checkpoint.save_step
+
+    def save_interrupted(*args):  # the user presses Ctrl-C again while the stop's checkpoint is written
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(60)
+        return real_save(*args)
+
+    def signalled_validation(session, extra, rouge, abandonable):
+        os.kill(os.getpid(), signal.SIGINT)
+        return False
+
+    monkeypatch.setattr(train_mod, "validate", signalled_validation)
+    monkeypatch.setattr(checkpoint, "save_step", save_interrupted)
+    started = time.perf_counter()
+    rc = main(["train", "--config", str(ROOT / "configs/tiny.yaml"),
+               *overrides(tiny_data, tmp_path / "run", "train.max_steps=100", "train.eval_every=5")])
+    assert rc == 130 and "second SIGINT" in capsys.readouterr().err
+    assert time.perf_counter() - started < 50  # did not sit out the 60 s
+
+
+class _Mask(Dataset):
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        return torch.tensor(sorted(int(s) for s in _STARTED_WITH))
+
+
+_STARTED_WITH: set = set()
+
+
+def _record_mask(worker_id):
+    _STARTED_WITH.update(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    init_worker(worker_id)
+
+
+def test_workers_start_with_the_stop_signals_blocked_until_they_ignore_them():
+    """A group SIGTERM between a worker's start and its worker_init_fn would kill it (torch's worker handler);
+    the stop would then look like a crashed worker."""
+    loader = SignalSafeLoader(_Mask(), batch_size=None, num_workers=1, worker_init_fn=_record_mask)
+    started_with = set(next(iter(loader)).tolist())
+    assert {signal.SIGINT, signal.SIGTERM} <= started_with
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the main process is as it was
+
+
+def test_a_worker_that_died_of_the_stop_signal_is_a_stop_not_an_out_of_memory(tiny_data, tmp_path, monkeypatch):
+    from summarizer.train.session import open_session
+    cfg = load_config(ROOT / "configs/tiny.yaml", overrides(tiny_data, tmp_path / "run", "train.max_steps=5"))
+    session = open_session(cfg)
+    try:
+        stop = guard.StopFlag()
+        try:
+            died = RuntimeError("DataLoader worker (pid(s) 123) exited unexpectedly")
+            with pytest.raises(guard.TrainingAborted, match="out-of-memory killer"):
+                guard.dead_worker(session, stop, died)  # no stop signal: a real crash
+            os.kill(os.getpid(), signal.SIGTERM)
+            guard.dead_worker(session, stop, died)  # the group's SIGTERM reached the worker too: a stop
+        finally:
+            stop.restore()
+    finally:
+        session.close()
+    assert (tmp_path / "run" / checkpoint.LATEST).exists()
+
+
+def _launch(tiny_data, run_dir, *extra):
+    args = [sys.executable, "-m", "summarizer", "train", "--config", str(ROOT / "configs/tiny.yaml"),
+            *overrides(tiny_data, run_dir, *extra)]
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+
+
+def _wait_for(path: Path, proc, timeout=600):  # a safety net on a busy machine, not a speed check
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [None, signal.SIGTERM])
+def test_a_run_dir_removed_while_training_ends_in_one_message_and_never_hangs(tiny_data, tmp_path, stop):
+    """The run dir is gone (or any write on the stop path fails): one message, exit 2, no worker left to wait
+    on at exit, with validation workers alive (persistent) when it happens."""
+    proc = _launch(tiny_data, tmp_path / "run", "train.max_steps=100000", "train.eval_every=2",
+                   "train.rouge_every=0", "train.select_by=loss", "train.ckpt_every=100000",
+                   "data.num_workers=1")
+    _wait_for(tmp_path / "run" / "metrics.jsonl", proc)
+    while len([line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+               if '"valid"' in line]) < 2:  # the validation workers have started
+        assert proc.poll() is None
+        time.sleep(0.01)
+    (tmp_path / "run").rename(tmp_path / "gone")  # at once, whatever the run is writing
+    if stop is not None:
+        os.killpg(proc.pid, stop)
+    try:
+        rc = proc.wait(timeout=120)  # the fault was a hang: a wait with a bound is the test
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = proc.stdout.read().decode()
+    assert "Traceback" not in output, output[-2000:]
+    if stop is not None and rc in (128 + stop, -stop):  # the stop's checkpoint made the dir again (resumable), or
+        assert rc == -stop or "stopped by SIGTERM" in output  # the signal came as the error was ending the run
+    else:
+        assert rc == 2 and "was removed while the run trained" in output, output[-2000:]
