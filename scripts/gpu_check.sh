@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The GPU's check: training speed and loss per precision from a cold start, the bench's GPU rows, decoding per
+# precision and beam, model-parallel placement and DDP, and configs/gigaword.yaml's model on synthetic pairs.
+# Ends with one Markdown table (also OUT/gpu_check.md). At most 8 minutes on one H100 (GPU_CHECK_SECONDS).
+#   bash scripts/gpu_check.sh DATA_DIR         # DATA_DIR: prepared with configs/base.yaml
+#   GPU_CHECK_DEVICE=cpu GPU_CHECK_STEPS=20 bash scripts/gpu_check.sh DATA_DIR   # the same steps on a CPU, tiny
+# Environment: PYTHON, OUT (default gpu_check_out, must not hold an earlier check), GPU_CHECK_STEPS (300),
+# GPU_CHECK_CONFIG (configs/base.yaml; configs/tiny.yaml on a CPU), GPU_CHECK_SECONDS (450: parts are
+# skipped once it is spent), GPU_CHECK_GW_MINUTES (0.75 per precision), GPU_CHECK_GW_PAIRS (100000).
+set -uo pipefail
+[ $# -eq 1 ] && [ -f "$1/meta.json" ] || { echo "usage: bash scripts/gpu_check.sh DATA_DIR (a prepared data dir:" \
+  "python -m data_prep --config configs/base.yaml data.source=DIR data.dir=DATA_DIR)" >&2; exit 2; }
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+DATA=$(realpath "$1")
+OUT=$(realpath -m "${OUT:-gpu_check_out}")
+cd "$ROOT" || exit 2
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # nothing here needs the hub; a machine without network never waits on it
+GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())') ||
+  { echo "gpu_check: $PY cannot import torch" >&2; exit 2; }
+if [ "${GPU_CHECK_DEVICE:-cuda}" = cpu ]; then
+  DEV=cpu; STEPS=${GPU_CHECK_STEPS:-20}; CONFIG=${GPU_CHECK_CONFIG:-configs/tiny.yaml}
+  BUDGET=${GPU_CHECK_SECONDS:-900}
+elif [ "$GPUS" -ge 1 ]; then
+  DEV=cuda; STEPS=${GPU_CHECK_STEPS:-300}; CONFIG=${GPU_CHECK_CONFIG:-configs/base.yaml}
+  BUDGET=${GPU_CHECK_SECONDS:-450}
+else
+  echo "gpu_check: no GPU visible to torch ($("$PY" -c 'import torch; print(torch.__version__)')); to run the same" \
+    "steps on the CPU with tiny budgets: GPU_CHECK_DEVICE=cpu GPU_CHECK_STEPS=20 bash scripts/gpu_check.sh $1" >&2
+  exit 1
+fi
+if [ -e "$OUT/notes.txt" ]; then echo "gpu_check: $OUT holds an earlier check: remove it or set OUT" >&2; exit 2; fi
+mkdir -p "$OUT/logs" && : > "$OUT/notes.txt" || exit 2
+LOG=$((STEPS / 6 > 50 ? 50 : STEPS / 6)); LOG=$((LOG > 0 ? LOG : 1))
+FEW=$((STEPS / 10 > 30 ? 30 : STEPS / 10)); FEW=$((FEW > 2 ? FEW : 2))
+DEADLINE=$((SECONDS + BUDGET))
+FAILED=0
+COMMON=(--config "$CONFIG" "data.dir=$DATA" "run.tensorboard_dir=$OUT/tb" "train.device=$DEV")
+# N steps, a log every L; validation (loss only: best.pt by loss) and the checkpoint once, at the end, so they
+# never land inside a throughput window.
+schedule() { echo "train.max_steps=$1" "train.log_every=$2" "train.eval_every=$1" "train.ckpt_every=$1" \
+  train.rouge_every=0 train.select_by=loss; }
+
+skip() { echo "gpu_check: part $1, $2: skipped: $3"; echo "$1|$2|skipped: $3" >> "$OUT/notes.txt"; }
+
+step() {  # step PART LABEL SECONDS COMMAND...: run it under a timeout cut to what is left of the budget
+  local part=$1 label=$2 limit=$3 left=$((DEADLINE - SECONDS)) rc log="$OUT/logs/$1-${2// /_}.log"
+  shift 3
+  if [ "$left" -lt 30 ]; then skip "$part" "$label" "the time budget (GPU_CHECK_SECONDS=$BUDGET) is spent"; return 1; fi
+  limit=$((limit < left ? limit : left))
+  echo "gpu_check: part $part, $label (at most ${limit}s) ..."
+  timeout -k 15 "$limit" "$@" > "$log" 2>&1
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
+    FAILED=1
+    echo "$part|$label|failed: exit $rc$([ "$rc" -eq 124 ] && echo " (timed out after ${limit}s)"); log $log" \
+      >> "$OUT/notes.txt"
+    echo "gpu_check: part $part, $label failed (exit $rc); last lines of $log:"; tail -n 5 "$log"
+  fi
+  return "$rc"
+}
+
+TRAIN=("$PY" -m summarizer train "${COMMON[@]}")
+
+# 1. The recipe from a cold start in each precision, each in its own process.
+for p in fp32 bf16 fp16; do
+  step 1 "train $p" 120 "${TRAIN[@]}" "run.name=gc_$p" "run.dir=$OUT/train/$p" "train.precision=$p" \
+    $(schedule "$STEPS" "$LOG")
+done
+
+# 2. The bench's training rows (NOT_HERE rows such as pin_memory on a CPU are listed as skipped).
+ROWS="[precision_bf16, precision_fp16, naive_vs_default, fused_optimizer, workers, pin_memory, "
+ROWS+="cudnn_benchmark, attention_kernel]"
+step 2 bench 150 "$PY" -m summarizer bench "${COMMON[@]}" run.name=gc_bench "run.dir=$OUT/bench" "bench.rows=$ROWS" \
+  bench.repeats=3 bench.warmup=1 bench.steps=10 bench.find_batch_tokens=false
+
+# 3. The fp32 run's best.pt decoded on the test split: precisions at beam 4, and greedy.
+LIMIT=$([ "$DEV" = cuda ] && echo 1000 || echo 40)
+if [ -f "$OUT/train/fp32/best.pt" ]; then
+  for e in beam4:4:fp32 beam4:4:bf16 beam4:4:auto greedy:1:auto; do
+    IFS=: read -r name beam p <<< "$e"
+    step 3 "eval ${name}_$p" 60 "$PY" -m summarizer eval "${COMMON[@]}" run.name=gc_fp32 "run.dir=$OUT/train/fp32" \
+      "eval.out_dir=$OUT/eval/${name}_$p" "eval.beam_size=$beam" "eval.precision=$p" "eval.limit=$LIMIT" \
+      eval.bootstrap_samples=200
+  done
+else
+  skip 3 eval "no checkpoint: the fp32 training of part 1 failed"
+fi
+
+# 4. Encoder and decoder on two devices, a few steps each; DDP over NCCL on two GPUs.
+placement() {  # placement NAME ENCODER DECODER
+  step 4 "placement $1" 90 "${TRAIN[@]}" "run.name=gc_$1" "run.dir=$OUT/placement/$1" train.precision=fp32 \
+    $(schedule $((FEW * 3)) "$FEW") "placement.encoder_device=$2" "placement.decoder_device=$3"
+}
+if [ "$DEV" = cuda ]; then placement enc-cuda0_dec-cpu cuda:0 cpu; else placement enc-cpu_dec-cpu cpu cpu; fi
+if [ "$DEV" = cuda ] && [ "$GPUS" -ge 2 ]; then
+  placement enc-cuda0_dec-cuda1 cuda:0 cuda:1
+  DDP_STEPS=$((STEPS / 3))
+  step 4 "ddp nccl_2gpus" 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 -m summarizer train \
+    "${COMMON[@]}" run.name=gc_ddp "run.dir=$OUT/ddp/nccl_2gpus" train.precision=fp32 \
+    $(schedule "$DDP_STEPS" "$((DDP_STEPS / 4))")
+else
+  skip 4 "cuda:0 + cuda:1, DDP" "needs two GPUs (this machine: $GPUS)"
+fi
+
+# 5. gigaword.yaml's model (60M parameters, 16k-token batches, 32k vocabulary) on synthetic pairs.
+if [ "$DEV" = cuda ]; then
+  SYN="$OUT/synthetic"
+  step 5 "synthetic pairs" 60 "$PY" scripts/gpu_check_report.py synth "$DATA" "$SYN/pairs" \
+      --pairs "${GPU_CHECK_GW_PAIRS:-100000}" &&
+    step 5 "prep 32k vocabulary" 150 "$PY" -m data_prep --config configs/gigaword.yaml "data.source=$SYN/pairs" \
+      "data.dir=$SYN/data" &&
+    for p in bf16 fp32; do
+      step 5 "gigaword $p" 120 "$PY" -m summarizer train --config configs/gigaword.yaml "data.dir=$SYN/data" \
+        "run.tensorboard_dir=$OUT/tb" "run.name=gc_gigaword_$p" "run.dir=$OUT/gigaword/$p" "train.precision=$p" \
+        "train.max_minutes=${GPU_CHECK_GW_MINUTES:-0.75}" $(schedule 100000 50)
+    done
+else
+  skip 5 gigaword.yaml "a 60M-parameter model: GPU only"
+fi
+
+"$PY" scripts/gpu_check_report.py report "$OUT" --device "$DEV" || FAILED=1
+echo "gpu_check: $((SECONDS / 60)) min $((SECONDS % 60)) s; table in $OUT/gpu_check.md; logs in $OUT/logs"
+exit "$FAILED"

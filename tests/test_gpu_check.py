@@ -1,0 +1,122 @@
+"""scripts/gpu_check.sh: its report's rows from hand-written run files, and the whole check in its CPU mode."""
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("gpu_check_report", ROOT / "scripts" / "gpu_check_report.py")
+report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(report)
+
+
+def write_metrics(run_dir: Path, rates: dict, **extra) -> None:
+    """Train records at the given steps (step -> tokens/s, loss = 10 / step) and one valid record."""
+    run_dir.mkdir(parents=True)
+    lines = [{"step": s, "split": "train", "loss": 10 / s, "tokens_per_s": r, **extra} for s, r in rates.items()]
+    lines.append({"step": max(rates), "split": "valid", "loss": 9.0})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 3')  # torn
+
+
+def write_rouge(eval_dir: Path, beam: int, precision: str, rate: float, r1: float) -> None:
+    eval_dir.mkdir(parents=True)
+    (eval_dir / "rouge.json").write_text(json.dumps({
+        "rouge1": {"f": r1}, "sentences_per_s": rate,
+        "settings": {"beam_size": beam, "precision": precision, "quantize": "none"}}))
+
+
+def test_report_rows_from_hand_written_runs(tmp_path):
+    out = tmp_path / "out"
+    steps = [50, 100, 150, 200, 250, 300]
+    write_metrics(out / "train" / "fp32", dict(zip(steps, [100, 200, 300, 300, 400, 400], strict=True)), mfu=0.1)
+    write_metrics(out / "train" / "bf16", dict(zip(steps, [200, 400, 600, 600, 800, 800], strict=True)), mfu=0.05)
+    (out / "bench").mkdir(parents=True)
+    (out / "bench" / "bench.json").write_text(json.dumps([
+        {"practice": "precision_bf16", "unit": "tokens/s", "on": {"median": 900.0}, "off": {"median": 450.0},
+         "ratio": 2.0},
+        {"practice": "pin_memory", "skipped": "needs CUDA"}]))
+    write_rouge(out / "eval" / "beam4_fp32", 4, "fp32", 50.0, 30.0)
+    write_rouge(out / "eval" / "beam4_auto", 4, "bf16", 100.0, 30.0)
+    write_rouge(out / "eval" / "greedy_auto", 1, "bf16", 400.0, 27.0)
+    write_metrics(out / "placement" / "enc-cuda0_dec-cpu", {30: 100, 60: 150, 90: 200})
+    write_metrics(out / "gigaword" / "fp32", {50: 1000, 100: 2000, 150: 2000}, mfu=0.3, peak_memory_mb=8000)
+    write_metrics(out / "gigaword" / "bf16", {50: 3000, 100: 5000, 150: 6000}, mfu=0.2, peak_memory_mb=5000)
+    (out / "notes.txt").write_text("4|cuda:0 + cuda:1, DDP|skipped: needs two GPUs (this machine: 1)\n")
+
+    rows, notes = report.all_rows(out)
+
+    got = [(part, setting, round(value, 4), None if r is None else round(r, 4)) for part, setting, value, r in rows]
+    assert got == [
+        ("1 train", "train.precision=fp32: tokens/s, steps 1-100", 150, 1.0),
+        ("1 train", "train.precision=fp32: tokens/s, steps 201-300", 400, 1.0),
+        ("1 train", "train.precision=fp32: loss at step 300", round(10 / 300, 4), 1.0),
+        ("1 train", "train.precision=fp32: MFU, steps 201-300", 0.1, None),
+        ("1 train", "train.precision=bf16: tokens/s, steps 1-100", 300, 2.0),
+        ("1 train", "train.precision=bf16: tokens/s, steps 201-300", 800, 2.0),
+        ("1 train", "train.precision=bf16: loss at step 300", round(10 / 300, 4), 1.0),
+        ("1 train", "train.precision=bf16: MFU, steps 201-300", 0.05, None),
+        ("2 bench", "precision_bf16 (tokens/s, on)", 900, 2.0),
+        ("3 eval", "beam 4, eval.precision=fp32 (fp32, quantize none): sentences/s", 50, 1.0),
+        ("3 eval", "beam 4, eval.precision=fp32 (fp32, quantize none): ROUGE-1 F", 30, 1.0),
+        ("3 eval", "beam 4, eval.precision=auto (bf16, quantize none): sentences/s", 100, 2.0),
+        ("3 eval", "beam 4, eval.precision=auto (bf16, quantize none): ROUGE-1 F", 30, 1.0),
+        ("3 eval", "beam 1, eval.precision=auto (bf16, quantize none): sentences/s", 400, 4.0),  # vs beam4_auto
+        ("3 eval", "beam 1, eval.precision=auto (bf16, quantize none): ROUGE-1 F", 27, 0.9),
+        ("4 placement", "enc-cuda0_dec-cpu: tokens/s, steps 61-90 (ratio: to one device, fp32)", 200, 0.5),
+        ("5 gigaword.yaml", "bf16: tokens/s, steps 101-150", 6000, 3.0),
+        ("5 gigaword.yaml", "bf16: MFU, steps 101-150", 0.2, None),
+        ("5 gigaword.yaml", "bf16: peak memory MiB", 5000, 0.625),
+        ("5 gigaword.yaml", "fp32: tokens/s, steps 101-150", 2000, 1.0),
+        ("5 gigaword.yaml", "fp32: MFU, steps 101-150", 0.3, None),
+        ("5 gigaword.yaml", "fp32: peak memory MiB", 8000, 1.0),
+    ]
+    assert notes == ["2 bench, pin_memory: needs CUDA",
+                     "4 placement, cuda:0 + cuda:1, DDP: skipped: needs two GPUs (this machine: 1)"]
+    table = report.markdown(rows, notes, "GPU check")
+    assert "| 1 train | train.precision=bf16: tokens/s, steps 201-300 | 800 | 2x |" in table
+    assert "| 1 train | train.precision=fp32: MFU, steps 201-300 | 0.1 |  |" in table
+
+
+def test_synthetic_pairs_take_their_lengths_from_the_data_dir(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    lengths = {(31, 8), (12, 5), (40, 11)}
+    (data / "train.jsonl").write_text("".join(
+        json.dumps({"source": " ".join(["w"] * s), "target": " ".join(["w"] * t)}) + "\n" for s, t in lengths))
+    report.synth(data, tmp_path / "pairs", pairs=60)
+    for split, n in (("train", 60), ("validation", 500), ("test", 200)):
+        pairs = report.read_jsonl(tmp_path / "pairs" / f"{split}.jsonl")
+        assert len(pairs) == n
+        assert {(len(p["document"].split()), len(p["summary"].split())) for p in pairs} <= lengths
+
+
+def table_rows(text: str) -> list[list[str]]:
+    lines = [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith("| part ")]
+    return [[cell.strip() for cell in ln.strip("|").split("|")] for ln in lines]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("bash") and shutil.which("timeout")), reason="needs bash and timeout")
+def test_cpu_mode_runs_every_part_and_prints_a_number_per_row(tmp_path):
+    from data_prep.__main__ import main as prep
+    assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tmp_path / 'data'}"]) == 0
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "20", "OUT": str(tmp_path / "out"),
+           "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "data")], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert table in done.stdout
+    rows = table_rows(table)
+    assert {r[0] for r in rows} == {"1 train", "2 bench", "3 eval", "4 placement"}
+    assert all(re.fullmatch(r"-?\d+(\.\d+)?(e[-+]\d+)?", r[2]) for r in rows), rows
+    assert {p for r in rows if r[0] == "1 train" for p in ("fp32", "bf16", "fp16") if f"={p}:" in r[1]} == \
+        {"fp32", "bf16", "fp16"}
+    assert "5 gigaword.yaml, gigaword.yaml: skipped" in table
+    assert "cuda:0 + cuda:1, DDP: skipped: needs two GPUs" in table
