@@ -139,7 +139,8 @@ def prepare(cfg: DataConfig) -> dict | None:
     if is_up_to_date(data_dir, fp):
         print(f"{data_dir} is up to date (same inputs and data settings): nothing to do", flush=True)
         return None
-    claim_dir(data_dir, "data", "data.dir", legacy=(META_FILE,))
+    # only a dir this product marked as its data dir is ever rebuilt: a meta.json beside a user's files proves nothing
+    claim_dir(data_dir, "data", "data.dir")
     refuse_silent_rebuild(data_dir, cfg)
     cleaned, raw_pairs, dropped, held, inputs = _load_and_clean(cfg, data_dir)
     tags = source_tags(cleaned, cfg.source_tag)

@@ -79,15 +79,18 @@ def _ours(name: str) -> bool:
     return name in (MARKER, LOCK) or (name.startswith(MARKER + ".") and name.endswith(".tmp"))
 
 
-def claim_dir(path: str | Path, kind: str, key: str, legacy: tuple[str, ...] = (), also: tuple[str, ...] = ()) -> Path:
+def claim_dir(path: str | Path, kind: str, key: str, legacy: tuple[str, ...] = (), also: tuple[str, ...] = (),
+              note: str = "") -> Path:
     """Create `path` as an output directory of `kind` ("run", "data", "eval"), or accept it as one the
     product already owns; refuse anything else with a message naming `key` (the config key) and the fix.
 
-    A directory is the product's when it holds MARKER of `kind` (or of a kind in `also`), or, when it
-    was written before the marker existed, one of the `legacy` files. An empty directory is claimed.
-    A non-empty one of anybody else is refused: the product never writes into, overwrites or deletes
-    files it did not create.
+    A directory is the product's only when it holds MARKER naming `kind` (or a kind in `also`): a file's
+    name proves nothing (a user's config.yaml, meta.json or rouge.json has the same names as ours), so
+    `legacy` names are ignored. An empty directory is claimed. A non-empty one of anybody else is refused:
+    the product never writes into, overwrites or deletes files it did not create. `note` says, in the
+    refusal of another kind's directory, when this command may write into one.
     """
+    del legacy  # a name proves nothing; the argument stays only because bench/run.py still passes one
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{key}={path} is an existing file, not a directory: choose another {key}")
@@ -102,11 +105,11 @@ def claim_dir(path: str | Path, kind: str, key: str, legacy: tuple[str, ...] = (
     if marker.is_file():
         owner = marker.read_text().strip()
         if owner != kind and owner not in also:
-            raise ConfigError(f"{key}={path} is a {owner} directory of this product, not a {kind} directory: "
-                              f"choose another {key}")
+            raise ConfigError(f"{key}={path} is a {owner} directory of this product, not a {kind} directory"
+                              f"{f' ({note})' if note else ''}; nothing was changed. Choose another {key}")
         return path
     entries = sorted(p.name for p in path.iterdir() if not _ours(p.name))
-    if entries and not any((path / name).exists() for name in legacy):
+    if entries:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise ConfigError(f"{key}={path} already holds files this product did not write ({shown}); nothing was "
                           f"changed. Choose a new or empty directory for {key}")

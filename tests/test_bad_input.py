@@ -75,6 +75,20 @@ def test_prep_refuses_a_directory_of_the_users_files(tmp_path, capsys):
     assert "did not write" in error_of(capsys) and snapshot(target) == {Path("notes.txt"): b"mine"}
 
 
+# Row 1 too: a file named like one a run writes does not make a user's directory a run dir (their config.yaml
+# was overwritten); only the product's .summarizer marker does.
+@pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl", "latest.json", "best.pt"])
+def test_train_refuses_a_users_directory_holding_a_file_named_like_a_runs(data, tmp_path, capsys, name):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / name).write_text("the user's own\n")
+    assert main(["train", *args(data, mine, "train.max_steps=10")]) == 2
+    err = error_of(capsys)
+    assert f"run.dir={mine} already holds files this product did not write ({name})" in err
+    assert "Choose a new or empty directory for run.dir" in err
+    assert snapshot(mine) == {Path(name): b"the user's own\n"}
+
+
 # Rows 3-5: resume compares the new config with the checkpoint's.
 @pytest.fixture
 def trained(data, tmp_path):

@@ -229,6 +229,25 @@ def test_failed_rebuild_keeps_the_previous_data(tmp_path):
     assert read_meta(tmp_path) == meta and len(load_split(tmp_path, "train").src_offsets) == 7
 
 
+@pytest.mark.parametrize("meta", ["{not json", '{"vocab_size": 8000, "source": "my corpus"}'])
+def test_prep_never_replaces_a_users_dir_that_holds_a_meta_json(tmp_path, capsys, meta):
+    """A meta.json does not make a dir the product's (only its .summarizer marker does): an unparseable one was
+    replaced with the user's train/valid.jsonl beside it, and a valid one led to data.rebuild=true, the same loss."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    files = {"meta.json": meta, "train.jsonl": '{"source": "a", "target": "b"}\n', "valid.jsonl": "mine\n"}
+    for name, text in files.items():
+        (mine / name).write_text(text)
+    for rebuild in ("false", "true"):
+        assert main([f"data.source={ASSETS / 'rush'}", f"data.dir={mine}", "data.vocab_size=64",
+                     "data.num_proc=1", "data.valid_holdout=0", f"data.rebuild={rebuild}"]) == 2
+        err = capsys.readouterr().err
+        assert f"data.dir={mine} already holds files this product did not write (meta.json, train.jsonl, " \
+               f"valid.jsonl)" in err and "Choose a new or empty directory for data.dir" in err
+        assert "data.rebuild" not in err
+        assert {p.name: p.read_text() for p in mine.iterdir()} == files  # no marker either
+
+
 def test_reading_an_unprepared_dir_says_how_to_prepare(tmp_path):
     with pytest.raises(DataError, match="make prep"):
         read_meta(tmp_path / "nowhere")
