@@ -67,8 +67,12 @@ def evaluate(cfg: Config) -> dict:
     refuse_overlap(out_dir, [cfg.data.dir] + ([cfg.eval.pairs] if cfg.eval.pairs else []), "eval.out_dir")
     tokenizer = open_tokenizer(cfg.data.dir)
     name, pairs, ids = read_eval_pairs(cfg, meta, tokenizer)
-    model, source = load_model(eval_checkpoint(cfg), rt, meta, cfg.eval.quantize)
-    claim_dir(out_dir, "eval", "eval.out_dir", legacy=("rouge.json",), also=("run", "overfit"))
+    ckpt = eval_checkpoint(cfg)
+    model, source = load_model(ckpt, rt, meta, cfg.eval.quantize)
+    # a run's dir holds the eval of its own weights only: another run's predictions and rouge.json stay its own
+    own_run = ckpt.resolve().parent == out_dir.resolve()
+    claim_dir(out_dir, "eval", "eval.out_dir", also=("run", "overfit") if own_run else (),
+              note=f"an eval writes into a run's dir only when it evaluates that run's checkpoint, not {ckpt}")
     rules_lexicon = lexicon(cfg.data.dir)  # start-up, like loading the model: outside the decoding time
     started = time.perf_counter()
     hyps = decode_all(model, ids, cfg.eval, rt, f"decode {name}", rules_lexicon)
