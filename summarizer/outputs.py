@@ -79,18 +79,16 @@ def _ours(name: str) -> bool:
     return name in (MARKER, LOCK) or (name.startswith(MARKER + ".") and name.endswith(".tmp"))
 
 
-def claim_dir(path: str | Path, kind: str, key: str, legacy: tuple[str, ...] = (), also: tuple[str, ...] = (),
-              note: str = "") -> Path:
+def claim_dir(path: str | Path, kind: str, key: str, also: tuple[str, ...] = (), note: str = "") -> Path:
     """Create `path` as an output directory of `kind` ("run", "data", "eval"), or accept it as one the
     product already owns; refuse anything else with a message naming `key` (the config key) and the fix.
 
     A directory is the product's only when it holds MARKER naming `kind` (or a kind in `also`): a file's
-    name proves nothing (a user's config.yaml, meta.json or rouge.json has the same names as ours), so
-    `legacy` names are ignored. An empty directory is claimed. A non-empty one of anybody else is refused:
-    the product never writes into, overwrites or deletes files it did not create. `note` says, in the
-    refusal of another kind's directory, when this command may write into one.
+    name proves nothing (a user's config.yaml, meta.json or rouge.json has the same names as ours). An empty
+    directory is claimed. A non-empty one of anybody else is refused: the product never writes into,
+    overwrites or deletes files it did not create. `note` says, in the refusal of another kind's directory,
+    when this command may write into one.
     """
-    del legacy  # a name proves nothing; the argument stays only because bench/run.py still passes one
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{key}={path} is an existing file, not a directory: choose another {key}")

@@ -33,7 +33,7 @@ def test_a_file_named_like_ours_does_not_make_a_users_directory_ours(tmp_path, n
     (tmp_path / name).write_text("the user's own\n")
     before = snapshot(tmp_path)
     with pytest.raises(UserError, match=f"did not write \\({name}\\); nothing was changed. Choose a new or empty"):
-        claim_dir(tmp_path, "run", "run.dir", legacy=(name,))  # a caller's legacy names prove nothing either
+        claim_dir(tmp_path, "run", "run.dir")
     assert snapshot(tmp_path) == before  # no marker written
 
 

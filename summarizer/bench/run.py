@@ -283,7 +283,7 @@ def _fmt(s: dict) -> str:
 
 def run_bench(cfg: Config) -> list[dict]:
     """Measure every (selected) row; print the table; write bench.json, bench.md and TensorBoard scalars."""
-    claim_dir(cfg.run_dir, "run", "run.dir", legacy=("bench.json",))
+    claim_dir(cfg.run_dir, "run", "run.dir")
     table = rows(cfg)
     wanted = cfg.bench.rows or list(table) + [n for n in NOT_HERE if n not in table] + list(AFTER_ROWS)
     unknown = [n for n in wanted if n not in table and n not in NOT_HERE and n not in AFTER_ROWS]
