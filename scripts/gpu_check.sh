@@ -36,7 +36,7 @@ LOG=$((STEPS / 6 > 50 ? 50 : STEPS / 6)); LOG=$((LOG > 0 ? LOG : 1))
 FEW=$((STEPS / 10 > 30 ? 30 : STEPS / 10)); FEW=$((FEW > 2 ? FEW : 2))
 DEADLINE=$((SECONDS + BUDGET))
 FAILED=0
-COMMON=(--config "$CONFIG" "data.dir=$DATA" "run.tensorboard_dir=$OUT/tb" "train.device=$DEV")
+COMMON=(--config "$CONFIG" "data.dir=$DATA" "run.tensorboard_dir=$OUT/tb" "system.device=$DEV")
 # N steps, a log every L; validation (loss only: best.pt by loss) and the checkpoint once, at the end, so they
 # never land inside a throughput window.
 schedule() { echo "train.max_steps=$1" "train.log_every=$2" "train.eval_every=$1" "train.ckpt_every=$1" \

@@ -40,7 +40,7 @@ def overfit_check(cfg: Config) -> int:
         cfg.data.train_limit = 64
     start_from_scratch(cfg.run_dir)
     summary = train(cfg)
-    rt = runtime.setup(cfg)
+    rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
     model, _ = load_model(checkpoint.latest_path(cfg.run_dir), rt, read_meta(cfg.data.dir))
     pairs = PairDataset.from_dir(cfg.data.dir, "train", cfg.data, limit=cfg.data.train_limit)
     sampler = TokenBatchSampler(pairs.src_lens, pairs.tgt_lens, cfg.data.batch_tokens, shuffle=False)

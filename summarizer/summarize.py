@@ -95,7 +95,7 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     and a line with undecodable bytes, or cut for its length, is summarised all the same and named on stderr.
     `quiet` prints no bar and no summary line.
     """
-    rt = runtime.setup(cfg, decoding_precision(cfg))
+    rt = runtime.setup(cfg.system, cfg.placement, decoding_precision(cfg))
     meta = read_meta(cfg.data.dir)
     check_beam(cfg, meta)
     check_data_settings(cfg.data, meta)

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -23,13 +25,13 @@ def test_defaults_then_yaml_then_overrides(tmp_path):
     ("modle.d_model=1", "Did you mean 'model'"),
     ("train.lr=fast", "train.lr must be float"),
     ("train.max_steps=1.5", "train.max_steps must be int"),
-    ("train.deterministic=3", "train.deterministic must be bool"),
+    ("system.deterministic=3", "system.deterministic must be bool"),
     ("train.precision=bf61", "Did you mean 'bf16'"),
     ("model.activation=rleu", "Did you mean 'relu'"),
     ("model.n_heads=3", "divisible"),
     ("model=3", "is a section"),
     ("train.rouge_every=0", "rouge_every"),
-    ("train.cpu_kernel_cache=-1", "train.cpu_kernel_cache must be >= 0"),
+    ("system.cpu_kernel_cache=-1", "system.cpu_kernel_cache must be >= 0"),
     ("noequals", "key.sub=value"),
     ("train.lr=nan", "train.lr must be a finite number"),
     ("eval.length_penalty=.inf", "eval.length_penalty must be a finite number"),
@@ -123,3 +125,36 @@ def test_a_config_extends_another_and_overrides_it(tmp_path):
     (tmp_path / "a.yaml").write_text("extends: missing.yaml\n")
     with pytest.raises(ConfigError, match="missing.yaml does not exist"):
         load_config(tmp_path / "a.yaml")
+
+
+def test_keys_moved_to_the_system_section_keep_their_old_names_with_a_notice(capsys, tmp_path):
+    from summarizer.config import load
+    load._noticed.clear()
+    (tmp_path / "old.yaml").write_text("train:\n  device: cpu\n  lr: 0.002\n")
+    cfg = load_config(tmp_path / "old.yaml", ["train.cpu_kernel_cache=0", "train.sdpa_backend=math"])
+    assert (cfg.system.device, cfg.system.cpu_kernel_cache, cfg.system.sdpa_backend) == ("cpu", 0, "math")
+    assert cfg.train.lr == 0.002
+    err = capsys.readouterr().err
+    assert "note: train.device is now system.device (the old name still works)" in err
+    assert err.count("train.device is now") == 1  # once per key, however often it is given
+
+
+def test_a_checkpoint_config_written_before_the_move_still_loads(capsys):
+    from summarizer.config.load import from_dict
+    from summarizer.config.schema import Config
+    old = to_dict(Config())
+    del old["system"]
+    old["train"].update(device="cpu", deterministic=True)
+    cfg = from_dict(old)
+    assert cfg.system.device == "cpu" and cfg.system.deterministic
+    assert "note:" not in capsys.readouterr().err  # a checkpoint is read as it was, silently
+
+
+def test_eval_and_summarize_read_no_train_key():
+    """Each component gets its own section: decoding and scoring never look at the training recipe."""
+    import ast
+    root = Path(__file__).resolve().parents[1] / "summarizer"
+    paths = [root / "summarize.py", root / "evaluation/evaluate.py", *sorted((root / "decode").glob("*.py"))]
+    found = [f"{p.name}:{n.lineno}" for p in paths for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.Attribute) and n.attr == "train"]
+    assert found == []

@@ -6,7 +6,7 @@ import torch
 from torch.profiler import profile
 
 from summarizer.bench import decoding_v1
-from summarizer.config.schema import EvalConfig, ModelConfig
+from summarizer.config.schema import EvalConfig, ModelConfig, PlacementConfig, SystemConfig
 from summarizer.data.prepared import open_tokenizer, training_words
 from summarizer.data.tokenizer import EOS, PAD, UNK
 from summarizer.decode.constraints import Lexicon
@@ -251,11 +251,10 @@ def test_batches_decoded_in_parallel_give_the_same_outputs_in_input_order(model)
     """eval.threads: several batches at once (one core each) change neither outputs nor their order, and the
     process's intra-op thread count is restored afterwards."""
     from summarizer import runtime
-    from summarizer.config.schema import Config
     from summarizer.decode.search import decode_all
     torch.manual_seed(2)
     sources = [torch.randint(4, 40, (int(n),)).tolist() for n in torch.randint(2, 12, (23,))]
-    rt = runtime.setup(Config(), "fp32")
+    rt = runtime.setup(SystemConfig(), PlacementConfig(), "fp32")
     threads = torch.get_num_threads()
     for beam in (1, 3):
         one = decode_all(model, sources, settings(beam_size=beam, batch_tokens=24, threads=1), rt)

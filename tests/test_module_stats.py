@@ -32,7 +32,7 @@ def test_every_parameter_has_a_named_group():
 def test_gradient_update_and_weight_norms_are_those_of_the_step():
     model, cfg = tiny_model(), Config()
     cfg.train.clip_norm, cfg.train.precision = 0.0, "fp32"
-    rt = runtime.setup(cfg, "fp32")
+    rt = runtime.setup(cfg.system, cfg.placement, "fp32")
     stats = ModuleStats(model)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # the update is -lr * gradient, exactly

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from summarizer import runtime
-from summarizer.config.load import load_config
-from summarizer.config.schema import ModelConfig
+from summarizer.config.schema import ModelConfig, PlacementConfig, SystemConfig
 from summarizer.errors import ConfigError
 from summarizer.model.transformer import Seq2Seq
 from summarizer.runtime.placement import PlacedSeq2Seq
@@ -53,7 +52,7 @@ def test_placement_cpu_cpu_matches_single_device():
 
 
 def test_setup_single_process_cpu():
-    rt = runtime.setup(load_config(None, ["train.device=cpu", "train.precision=fp32"]))
+    rt = runtime.setup(SystemConfig(device="cpu"), PlacementConfig(), "fp32")
     assert rt.device == rt.decoder_device == torch.device("cpu") and rt.world_size == 1 and rt.is_main
     assert not runtime.make_scaler(rt).is_enabled()
 
@@ -70,16 +69,16 @@ def test_ddp_with_model_parallel_gives_each_rank_its_own_gpu_pair(monkeypatch):
 
 def test_setup_flushes_denormals_when_asked():
     tiny = torch.tensor([1e-39])  # a float32 denormal
-    runtime.setup(load_config(None, ["train.device=cpu", "train.flush_denormal=false"]))
+    runtime.setup(SystemConfig(device="cpu", flush_denormal=False), PlacementConfig(), "fp32")
     assert (tiny * 1.0).item() != 0.0
-    runtime.setup(load_config(None, ["train.device=cpu", "train.flush_denormal=true"]))
+    runtime.setup(SystemConfig(device="cpu", flush_denormal=True), PlacementConfig(), "fp32")
     assert (tiny * 1.0).item() == 0.0
 
 
 @pytest.mark.parametrize("backend,explicit", [("auto", True), ("explicit", True), ("math", False), ("default", False)])
 def test_cpu_attention_kernel_choice(backend, explicit):
     from summarizer.model.transformer import _EXPLICIT_ATTENTION
-    rt = runtime.setup(load_config(None, ["train.device=cpu", f"train.sdpa_backend={backend}"]))
+    rt = runtime.setup(SystemConfig(device="cpu", sdpa_backend=backend), PlacementConfig(), "fp32")
     with rt.compute():
         assert _EXPLICIT_ATTENTION.get() is explicit
     assert _EXPLICIT_ATTENTION.get() is False
@@ -90,7 +89,8 @@ import sys, torch
 from summarizer import runtime
 from summarizer.runtime.placement import PlacedSeq2Seq
 from summarizer.config.load import load_config
-runtime.setup(load_config(None, ["train.device=cpu", "train.cpu_kernel_cache=" + sys.argv[1]]))
+cfg = load_config(None, ["system.device=cpu", "system.cpu_kernel_cache=" + sys.argv[1]])
+runtime.setup(cfg.system, cfg.placement, "fp32")
 weight = torch.randn(32, 16, 3)
 for _ in range(2):  # 20 distinct shapes, then the same 20 again
     for length in range(100, 120):
@@ -125,7 +125,7 @@ def test_fp16_loss_scaling_runs_on_the_cpu():
     torch.manual_seed(0)
     cfg = Config()
     cfg.train.precision = "fp16"
-    rt = runtime.setup(cfg, "fp16")
+    rt = runtime.setup(cfg.system, cfg.placement, "fp16")
     model = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32), 30)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = runtime.make_scaler(rt)

@@ -12,6 +12,7 @@ import torch
 
 from summarizer import runtime
 from summarizer.config.load import load_config
+from summarizer.config.schema import PlacementConfig, SystemConfig
 from summarizer.data.batches import PairDataset, collate
 from summarizer.errors import ConfigError, DataError
 from summarizer.model import checkpoint
@@ -48,7 +49,7 @@ def train_losses(run_dir):
 
 def test_accumulated_micro_batches_equal_one_big_batch(tiny_data):
     cfg = make_cfg(tiny_data, "unused", "model.dropout=0.0", "train.precision=fp32", "train.clip_norm=0")
-    rt = runtime.setup(cfg)
+    rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
     ds = PairDataset.from_dir(tiny_data, "train", cfg.data)
     pairs_a, pairs_b = [ds[i] for i in range(0, 5)], [ds[i] for i in range(5, 12)]
     params = []
@@ -64,7 +65,7 @@ def test_accumulated_micro_batches_equal_one_big_batch(tiny_data):
 
 def test_clipping_bounds_the_update_and_logs_the_raw_norm(tiny_data):
     cfg = make_cfg(tiny_data, "unused", "model.dropout=0.0", "train.precision=fp32", "train.clip_norm=0.01")
-    rt = runtime.setup(cfg)
+    rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
     ds = PairDataset.from_dir(tiny_data, "train", cfg.data)
     torch.manual_seed(0)
     model = Seq2Seq(cfg.model, 192)
@@ -79,7 +80,7 @@ def test_clipping_bounds_the_update_and_logs_the_raw_norm(tiny_data):
 
 def test_non_finite_gradients_skip_the_step(tiny_data):
     cfg = make_cfg(tiny_data, "unused", "train.precision=fp32")
-    rt = runtime.setup(cfg)
+    rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
     ds = PairDataset.from_dir(tiny_data, "train", cfg.data)
     model = Seq2Seq(cfg.model, 192)
     with torch.no_grad():
@@ -385,7 +386,7 @@ def test_a_nan_gradient_is_traced_to_its_module_in_backward():
     model.encoder_layers[0].register_forward_hook(poison)
     src, tgt = torch.randint(4, 30, (2, 6)), torch.randint(4, 30, (2, 5))
     batch = {"src_ids": src, "tgt_in": tgt[:, :-1], "tgt_out": tgt[:, 1:]}
-    rt = runtime.setup(Config(), "fp32")
+    rt = runtime.setup(SystemConfig(), PlacementConfig(), "fp32")
     where = first_nonfinite(model, [batch], rt, Config().train)
     assert where == "encoder_layers.0 (backward: the gradient of its output)"
     assert all(p.grad is None for p in model.parameters())  # nothing left behind for the optimizer

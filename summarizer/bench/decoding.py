@@ -92,12 +92,12 @@ def decode_row(cfg: Config, beam: int, against: str) -> dict:
     eval.quantize against commit 9415323's float32, word rules off on both, so outputs can be compared),
     "int8" (against float32), "bf16" (decoding precision) or "rules" (the word rules on, against off, at
     the default eval.quantize); with each side's ROUGE-1 on the decoded sentences and whether outputs agree."""
-    rt = runtime.setup(cfg, "fp32")
+    rt = runtime.setup(cfg.system, cfg.placement, "fp32")
     sources, references = _sources(cfg)
     tokenizer, lex = open_tokenizer(cfg.data.dir), lexicon(cfg.data.dir)
     plain = dataclasses.replace(cfg.eval, beam_size=beam, known_words=False, no_repeat_words=False,
                                 truncate_bytes=0)
-    rt_default = runtime.setup(cfg, decoding_precision(cfg))  # decoding as `eval` runs it by default
+    rt_default = runtime.setup(cfg.system, cfg.placement, decoding_precision(cfg))  # as `eval` decodes by default
     model, default = _model(cfg, rt), _model(cfg, rt_default, resolve_quantize(cfg.eval.quantize, rt_default))
     ruled = dataclasses.replace(plain, known_words=True, no_repeat_words=True)
     on_settings = ruled if against == "rules" else plain
@@ -109,7 +109,7 @@ def decode_row(cfg: Config, beam: int, against: str) -> dict:
         variants = {"on": lambda: decode_all(quantized, sources, plain, rt, lexicon=lex),
                     "off": lambda: decode_all(model, sources, plain, rt, lexicon=lex)}
     elif against in ("bf16", "fp16"):
-        rt16 = runtime.setup(cfg, against)
+        rt16 = runtime.setup(cfg.system, cfg.placement, against)
         model16 = decoding_form(copy.deepcopy(model), rt16, "none")
         variants = {"on": lambda: decode_all(model16, sources, plain, rt16, lexicon=lex),
                     "off": lambda: decode_all(model, sources, plain, rt, lexicon=lex)}
@@ -146,7 +146,7 @@ def profile_row(cfg: Config, beam: int = 4, top: int = 12) -> dict:
     the wall time, the share inside torch operators (their self times summed) and the rest (Python: the
     search's bookkeeping, the word rules), and the operators that take most, each with its calls."""
     from torch.profiler import ProfilerActivity, profile
-    rt = runtime.setup(cfg, decoding_precision(cfg))
+    rt = runtime.setup(cfg.system, cfg.placement, decoding_precision(cfg))
     sources, _ = _sources(cfg)
     lex = lexicon(cfg.data.dir)
     model = _model(cfg, rt, resolve_quantize(cfg.eval.quantize, rt))
@@ -171,7 +171,7 @@ def file_row(cfg: Config) -> dict:
     from summarizer.decode.inference import load_model, read_eval_pairs
     lexicon.cache_clear()  # built from scratch, as a fresh process would
     started = time.perf_counter()
-    rt = runtime.setup(cfg, decoding_precision(cfg))
+    rt = runtime.setup(cfg.system, cfg.placement, decoding_precision(cfg))
     meta, tokenizer = read_meta(cfg.data.dir), open_tokenizer(cfg.data.dir)
     name, _, ids = read_eval_pairs(cfg, meta, tokenizer)
     model, _ = load_model(weights(cfg), rt, meta, cfg.eval.quantize)

@@ -48,7 +48,7 @@ def _measure(cfg_dict: dict, variant: str, steps: int, batch_tokens: int) -> dic
     from summarizer.train.losses import smoothed_nll
     from summarizer.train.session import build
     cfg = from_dict(cfg_dict)
-    rt = runtime.setup(cfg)
+    rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
     torch.manual_seed(0)
     meta = read_meta(cfg.data.dir)
     model, optimizer = build(cfg, rt, meta)[:2]

@@ -57,7 +57,7 @@ class TrainingProbe:
     def __init__(self, cfg: Config, fixed_batches: bool = False, item_every_step: bool = False,
                  observe: bool = False):
         self.cfg, self.item_every_step, self.steps = cfg, item_every_step, 0
-        self.rt = runtime.setup(cfg)
+        self.rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
         torch.manual_seed(cfg.train.seed)
         model, self.optimizer, self.scaler = build(cfg, self.rt, read_meta(cfg.data.dir))
         self.model = torch.compile(model) if cfg.train.compile else model
@@ -77,7 +77,8 @@ class TrainingProbe:
 
     def repeat(self, steps: int = 0) -> float:
         """tokens/s over the next `steps` (default `bench.steps`) steps."""
-        runtime.setup(self.cfg)  # re-apply this variant's process-wide switches (e.g. cudnn.benchmark)
+        # re-apply this variant's process-wide switches (e.g. cudnn.benchmark)
+        runtime.setup(self.cfg.system, self.cfg.placement, self.cfg.train.precision)
         rt, started, tokens = self.rt, time.perf_counter(), 0
         for _ in range(steps or self.cfg.bench.steps):
             fetched = [next(self.stream)[0] for _ in range(self.cfg.train.accum_steps)]
@@ -139,7 +140,7 @@ def second_epoch_rates(on: Config, off: Config) -> dict:
 
 def decode_rate(cfg: Config, use_cache: bool) -> dict:
     """Beam-4 sentences/s on the first `bench.decode_sentences` valid (or train) sources."""
-    rt = runtime.setup(cfg)
+    rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
     torch.manual_seed(cfg.train.seed)
     meta = read_meta(cfg.data.dir)
     model = build(cfg, rt, meta)[0]
@@ -170,8 +171,8 @@ def memory_row(cfg_on: Config, on: str, cfg_off: Config, off: str, steps: int) -
 
 def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
     """name -> (what is compared, unit, higher_is_better, measure() -> {"on": stats, "off": stats})."""
-    cuda = runtime.resolve_device(cfg.train.device).type == "cuda"
-    best = runtime.resolve_precision("auto", runtime.resolve_device(cfg.train.device))
+    cuda = runtime.resolve_device(cfg.system.device).type == "cuda"
+    best = runtime.resolve_precision("auto", runtime.resolve_device(cfg.system.device))
     t = lambda *o, **kw: (variant(cfg, *o), kw)  # noqa: E731  (a training variant: config, probe options)
     pair = lambda on, off: (lambda: training_rates(on, off))  # noqa: E731
     on_off = lambda on, off: (lambda: {"on": on(), "off": off()})  # noqa: E731
@@ -196,8 +197,8 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
         "fused_loss": ("fused vocabulary loss vs autograd logsumexp/gather/mean", "tokens/s", "higher", pair(
             t(("train", "fused_loss", True)), t(("train", "fused_loss", False)))),
         "attention_kernel": ("explicit attention vs SDPA math kernel" if not cuda else "SDPA default vs math",
-                             "tokens/s", "higher", pair(t(("train", "sdpa_backend", "auto")),
-                                                        t(("train", "sdpa_backend", "math")))),
+                             "tokens/s", "higher", pair(t(("system", "sdpa_backend", "auto")),
+                                                        t(("system", "sdpa_backend", "math")))),
         "fast_dropout": ("dropout masks from SFC64 bits vs torch's bernoulli_", "tokens/s", "higher", pair(
             t(("model", "fast_dropout", True)), t(("model", "fast_dropout", False)))),
         "fused_optimizer": ("AdamW(fused=True) vs torch's default implementation", "tokens/s", "higher", pair(
@@ -205,9 +206,9 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
         "lean_layers": ("ReLU and no biases vs GELU with biases (a model choice)", "tokens/s", "higher", pair(
             t(("model", "activation", "relu"), ("model", "bias", False)),
             t(("model", "activation", "gelu"), ("model", "bias", True)))),
-        "kernel_cache": (f"CPU kernel cache {cfg.train.cpu_kernel_cache} vs oneDNN's default 1024, in the second epoch",
+        "kernel_cache": (f"CPU kernel cache {cfg.system.cpu_kernel_cache} vs oneDNN's default 1024, in epoch 2",
                          "tokens/s", "higher", lambda: second_epoch_rates(
-                             cfg, variant(cfg, ("train", "cpu_kernel_cache", 1024)))),
+                             cfg, variant(cfg, ("system", "cpu_kernel_cache", 1024)))),
         "pad_multiple": (f"lengths padded to multiples of {padded} vs unpadded, in the second epoch", "tokens/s",
                          "higher", lambda: second_epoch_rates(variant(cfg, ("data", "pad_multiple", padded)),
                                                               variant(cfg, ("data", "pad_multiple", 1)))),
@@ -236,7 +237,7 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
                              pair(t(), t(
                                  ("data", "num_workers", 0), ("train", "precision", "fp32"),
                                  ("train", "set_to_none", False), ("train", "fused_loss", False),
-                                 ("train", "sdpa_backend", "default"), ("model", "fast_dropout", False),
+                                 ("system", "sdpa_backend", "default"), ("model", "fast_dropout", False),
                                  ("train", "fused_optimizer", False), fixed_batches=True, item_every_step=True))),
     }
     if weights(cfg).is_file():
@@ -251,7 +252,7 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
         table["pin_memory"] = ("pinned memory + non-blocking copies vs pageable", "tokens/s", "higher", pair(
             t(("data", "pin_memory", True)), t(("data", "pin_memory", False))))
         table["cudnn_benchmark"] = ("cudnn.benchmark on vs off", "tokens/s", "higher", pair(
-            t(("train", "cudnn_benchmark", True)), t(("train", "cudnn_benchmark", False))))
+            t(("system", "cudnn_benchmark", True)), t(("system", "cudnn_benchmark", False))))
     if cuda and torch.cuda.device_count() >= 2:
         split = (("placement", "encoder_device", "cuda:0"), ("placement", "decoder_device", "cuda:1"))
         table["pipeline_chunks"] = ("encoder/decoder on two GPUs: 4 pipeline chunks vs 1", "tokens/s", "higher",
@@ -329,7 +330,7 @@ def run_bench(cfg: Config) -> list[dict]:
 
 
 def batch_search_row(cfg: Config) -> dict:
-    device = runtime.resolve_device(cfg.train.device)
+    device = runtime.resolve_device(cfg.system.device)
     budget = bench_memory.memory_budget_mb(device)
     found, trials = bench_memory.largest_batch_tokens(cfg, budget, cfg.data.batch_tokens, cfg.bench.max_batch_tokens)
     scale = found / cfg.data.batch_tokens
@@ -372,7 +373,7 @@ def write_outputs(cfg: Config, results: list[dict]) -> None:
     atomic_write(cfg.run_dir / "bench.json", json.dumps(results, indent=2))
     table = markdown(results)
     header = (f"Medians of {cfg.bench.repeats} repeats of {cfg.bench.steps} steps after {cfg.bench.warmup} "
-              f"warm-up, [min-max]; device {runtime.resolve_device(cfg.train.device)}, torch {torch.__version__}, "
+              f"warm-up, [min-max]; device {runtime.resolve_device(cfg.system.device)}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads.\n\n")
     atomic_write(cfg.run_dir / "bench.md", header + table)
     from torch.utils.tensorboard import SummaryWriter

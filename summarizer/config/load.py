@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,28 @@ from summarizer.config.checks import validate
 from summarizer.config.schema import Config, nearest
 from summarizer.errors import ConfigError
 from summarizer.outputs import atomic_write
+
+# Keys that moved to another section: the old name keeps working, with a one-line notice; a checkpoint's config
+# written before the move is read as it was, silently.
+MOVED = {("train", name): "system" for name in ("device", "deterministic", "flush_denormal", "sdpa_backend",
+                                                 "cudnn_benchmark", "cpu_kernel_cache")}
+_noticed: set[str] = set()
+
+
+def _moved(layer: dict, notice: bool = True) -> dict:
+    """`layer` (a mapping of sections) with each moved key under its new section."""
+    out = dict(layer)
+    for (old, name), new in MOVED.items():
+        section = out.get(old)
+        if not isinstance(section, dict) or name not in section:
+            continue
+        out[old] = {k: v for k, v in section.items() if k != name}
+        target = out.get(new, {})
+        out[new] = {**target, name: section[name]} if isinstance(target, dict) else target
+        if notice and f"{old}.{name}" not in _noticed:
+            _noticed.add(f"{old}.{name}")
+            print(f"note: {old}.{name} is now {new}.{name} (the old name still works)", file=sys.stderr)
+    return out
 
 
 def _coerce(value: Any, typ: Any, key: str) -> Any:
@@ -140,9 +163,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
     """Defaults, then the YAML file, then each override in order; validated."""
     cfg = Config()
     for layer in config_chain(Path(path)) if path else []:
-        _merge(cfg, layer)
+        _merge(cfg, _moved(layer))
     for text in overrides:
-        _merge(cfg, parse_override(text, cfg))
+        _merge(cfg, _moved(parse_override(text, cfg)))
     validate(cfg)
     return cfg
 
@@ -154,7 +177,7 @@ def to_dict(cfg: Config) -> dict:
 def from_dict(data: dict) -> Config:
     """Rebuild a Config from a checkpoint's dict; unknown keys fail loudly (format drift)."""
     cfg = Config()
-    _merge(cfg, data)
+    _merge(cfg, _moved(data, notice=False))
     return cfg
 
 

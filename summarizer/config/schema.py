@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-# Sections whose every key may change when a run resumes (how to evaluate, place or benchmark a run, and
-# names); in the other sections only keys marked resume=True may (summarizer/config/resume.py).
-RESUMABLE_SECTIONS = ("run", "eval", "placement", "bench", "overfit")
+# Sections whose every key may change when a run resumes (where it runs, how to evaluate, place or benchmark
+# it, and names); in the other sections only keys marked resume=True may (summarizer/config/resume.py).
+RESUMABLE_SECTIONS = ("run", "system", "eval", "placement", "bench", "overfit")
 
 
 def key(default: Any, *, choices: tuple = (), above: float | None = None, low: float | None = None,
@@ -44,6 +44,19 @@ class RunConfig:
     name: str = key("base", bookkeeping=True)
     dir: str = key("", bookkeeping=True)  # default: checkpoints/<name>
     tensorboard_dir: str = key("runs", bookkeeping=True)  # events go to <tensorboard_dir>/<name>
+
+
+@dataclass
+class SystemConfig:
+    """Where and how any command runs (train, eval, summarize, bench): the section runtime.setup reads."""
+    device: str = key("auto", resume=True)  # auto | cpu | cuda | cuda:N
+    deterministic: bool = key(False, resume=True)  # torch.use_deterministic_algorithms
+    flush_denormal: bool = key(True, resume=True)  # CPU: denormal floats as zero (FTZ/DAZ): no slow path
+    # auto (explicit on CPU; on CUDA flash, efficient, math: not cuDNN's) | default (torch's choice) | math | flash
+    # | efficient | explicit
+    sdpa_backend: str = key("auto", choices=("auto", "default", "math", "flash", "efficient", "explicit"), resume=True)
+    cudnn_benchmark: bool = key(True, resume=True)
+    cpu_kernel_cache: int = key(8192, low=0, resume=True)
 
 
 @dataclass
@@ -111,13 +124,7 @@ class TrainConfig:
     # a checkpoint (best.pt or ckpt_*.pt of a run on the same prepared data) whose weights a new run starts from,
     # with a fresh optimizer and schedule (fine-tuning after a pre-training stage); a resumed run ignores it
     init_from: str = key("", resume=True)
-    deterministic: bool = key(False, resume=True)  # torch.use_deterministic_algorithms
-    device: str = key("auto", resume=True)  # auto | cpu | cuda | cuda:N
-    flush_denormal: bool = key(True, resume=True)  # CPU: denormal floats as zero (FTZ/DAZ): no slow path
     precision: str = key("auto", choices=PRECISIONS, resume=True)
-    # auto (explicit on CPU; on CUDA flash, efficient, math: not cuDNN's) | default (torch's choice) | math | flash
-    # | efficient | explicit
-    sdpa_backend: str = key("auto", choices=("auto", "default", "math", "flash", "efficient", "explicit"), resume=True)
     max_steps: int = key(10_000, above=0, resume=True)
     max_minutes: float = key(0.0, low=0, resume=True)  # 0 = no time limit
     accum_steps: int = key(1, above=0)
@@ -141,8 +148,6 @@ class TrainConfig:
     set_to_none: bool = key(True, resume=True)
     fused_optimizer: bool = key(True, resume=True)  # AdamW(fused=True): one kernel for all parameters (CPU and CUDA)
     fused_loss: bool = key(True, resume=True)  # one-pass vocabulary loss with an in-place backward (losses.VocabStats)
-    cudnn_benchmark: bool = key(True, resume=True)
-    cpu_kernel_cache: int = key(8192, low=0, resume=True)
     compile: bool = key(False, resume=True)
     log_every: int = key(50, above=0, resume=True)  # host syncs (.item()) happen only here
     module_stats: bool = key(True, resume=True)  # per-module gradient/update/weight norms, activation RMS
@@ -210,6 +215,7 @@ class BenchConfig:
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

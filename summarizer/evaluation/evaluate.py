@@ -60,7 +60,7 @@ def evaluate(cfg: Config) -> dict:
     """Decode `eval.pairs` or `eval.split` with the run's best checkpoint (or eval.checkpoint); write
     predictions.txt (what was scored, one line per pair) and rouge.json to eval.out_dir."""
     begun = time.perf_counter()
-    rt = runtime.setup(cfg, decoding_precision(cfg))
+    rt = runtime.setup(cfg.system, cfg.placement, decoding_precision(cfg))
     meta = read_meta(cfg.data.dir)
     check_beam(cfg, meta)
     out_dir = Path(cfg.eval.out_dir) if cfg.eval.out_dir else cfg.run_dir

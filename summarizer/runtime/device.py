@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from summarizer.config.schema import Config
+from summarizer.config.schema import PlacementConfig, SystemConfig
 from summarizer.errors import ConfigError
 from summarizer.model.transformer import explicit_attention
 
@@ -64,7 +64,7 @@ class Runtime:
 
 
 def attention_kernels(backend: str, device_types: set[str]) -> str | list[SDPBackend]:
-    """What `train.sdpa_backend` means on these devices: "explicit" (attention as two batched matmuls), the SDPA
+    """What `system.sdpa_backend` means on these devices: "explicit" (attention as two batched matmuls), the SDPA
     kernels allowed, or [] for torch's own choice ("default").
 
     `auto`: explicit on a CPU, where at sentence lengths two matmuls beat every SDPA kernel (bench row
@@ -161,27 +161,26 @@ def set_cpu_kernel_cache(capacity: int) -> None:
         os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(capacity)
 
 
-def setup(cfg: Config, precision: str | None = None) -> Runtime:
-    """Initialise the process group when launched by torchrun, pick devices and precision (`precision`,
-    e.g. eval.precision for decoding, else train.precision)."""
+def setup(system: SystemConfig, placement: PlacementConfig, precision: str) -> Runtime:
+    """Initialise the process group when launched by torchrun, pick devices (`system.device`, or the placement's)
+    and `precision` (train.precision for training, eval.precision for decoding)."""
     # Denormal floats (below 1.2e-38) take a slow microcode path on x86: as the model grows
     # confident, exp() in the vocabulary softmax produces them by the million and CPU steps slow
     # down (docs/practices.md, "denormals flushed"). FTZ/DAZ treats them as zero. The flag is per thread and OpenMP's
     # pool copies it when created, so this must run before the first parallel op: first here.
-    torch.set_flush_denormal(cfg.train.flush_denormal)
-    set_cpu_kernel_cache(cfg.train.cpu_kernel_cache)
+    torch.set_flush_denormal(system.flush_denormal)
+    set_cpu_kernel_cache(system.cpu_kernel_cache)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    placement = cfg.placement
     split = bool(placement.encoder_device or placement.decoder_device) and \
         placement.encoder_device != placement.decoder_device
     if split:
-        device = resolve_device(placement.encoder_device or cfg.train.device)
-        decoder_device = resolve_device(placement.decoder_device or cfg.train.device)
+        device = resolve_device(placement.encoder_device or system.device)
+        decoder_device = resolve_device(placement.decoder_device or system.device)
         if world_size > 1 and "cuda" in (device.type, decoder_device.type):
             device, decoder_device = _per_rank_pair(device, decoder_device, local_rank)
     else:
-        device = resolve_device(placement.encoder_device or cfg.train.device)
+        device = resolve_device(placement.encoder_device or system.device)
         if device.type == "cuda" and world_size > 1:
             device = torch.device("cuda", local_rank)
         decoder_device = device
@@ -191,12 +190,12 @@ def setup(cfg: Config, precision: str | None = None) -> Runtime:
             torch.cuda.set_device(device)
         dist.init_process_group(backend=backend)
     if device.type == "cuda":
-        torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark and not cfg.train.deterministic
+        torch.backends.cudnn.benchmark = system.cudnn_benchmark and not system.deterministic
         # TF32 matmuls on Ampere+: fp32 accuracy is not needed for the fp32 master path of training.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    precision = resolve_precision(precision or cfg.train.precision, decoder_device)
-    return Runtime(device, decoder_device, precision, rank, world_size, local_rank, cfg.train.sdpa_backend)
+    precision = resolve_precision(precision, decoder_device)
+    return Runtime(device, decoder_device, precision, rank, world_size, local_rank, system.sdpa_backend)
 
 
 def _per_rank_pair(encoder: torch.device, decoder: torch.device, local_rank: int) -> tuple:

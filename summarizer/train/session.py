@@ -196,8 +196,8 @@ class Session:
 
 def open_session(cfg: Config) -> Session:
     """Devices, seeds, data, model and optimizer state: fresh, or restored from the run's latest checkpoint."""
-    rt = runtime.setup(cfg)
-    runtime.seed_everything(cfg.train.seed, cfg.train.deterministic)
+    rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
+    runtime.seed_everything(cfg.train.seed, cfg.system.deterministic)
     meta, tokenizer = read_meta(cfg.data.dir), open_tokenizer(cfg.data.dir)
     check_data_settings(cfg.data, meta)
     # train.init_from of a new run is checked before its run dir is claimed: a wrong path leaves nothing behind
