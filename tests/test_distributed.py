@@ -2,8 +2,10 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,46 @@ def test_model_parallel_placement_cpu_cpu_equals_one_device(tiny_prepared, tmp_p
         f"run.dir={tmp_path / 'split'}", "run.name=split", "placement.encoder_device=cpu:0",
         "placement.decoder_device=cpu", "placement.pipeline_chunks=2"]))
     assert_same(records(tmp_path / "split", "train"), records(tmp_path / "one", "train"))
+
+
+def _rank_pids(torchrun_pid: int) -> dict[int, int]:
+    """RANK -> pid of each training process torchrun started (its children with RANK in their environment)."""
+    found = {}
+    for task in Path(f"/proc/{torchrun_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            rank = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
+            if rank:
+                found[int(rank[0])] = int(child)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to find the rank processes")
+def test_a_rank_killed_mid_run_ends_the_others_in_one_message(tiny_prepared, tmp_path):
+    """One rank SIGKILLed (the OOM killer, a lost node): the other ends without a traceback of the collective
+    it was in, either by torchrun's stop signal (a checkpoint, exit 143) or by the failed collective (one
+    message, exit 2)."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this python")
+    logs = tmp_path / "logs"
+    args = [torchrun, "--standalone", "--nproc_per_node=2", "--log-dir", str(logs), "--redirects", "3", "-m",
+            "summarizer", "train", "--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tiny_prepared}",
+            f"run.dir={tmp_path / 'run'}", f"run.tensorboard_dir={tmp_path / 'tb'}", *EXACT,
+            "train.max_steps=100000", "train.eval_every=100000", "train.ckpt_every=100000"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while not (tmp_path / "run" / "metrics.jsonl").exists():  # both ranks are in the loop
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        os.kill(_rank_pids(proc.pid)[1], signal.SIGKILL)
+        proc.wait(timeout=120)  # the fault a hang or a raw traceback: a bounded wait is part of the test
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rank0 = next(logs.rglob("attempt_0/0/stderr.log")).read_text()
+    assert "Traceback" not in rank0, rank0[-3000:]
+    assert "another rank of the run stopped" in rank0 or "stopped by SIGTERM" in rank0, rank0[-3000:]
