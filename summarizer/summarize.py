@@ -99,7 +99,7 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     meta = read_meta(cfg.data.dir)
     check_beam(cfg, meta)
     check_data_settings(cfg.data, meta)
-    tokenizer = open_tokenizer(cfg.data.dir)
+    tokenizer = open_tokenizer(cfg.data.dir, meta)
     model, _ = load_model(eval_checkpoint(cfg), rt, meta, cfg.eval.quantize)
     norm = meta["normalization"]
     cap = BYTES_PER_TOKEN * cfg.data.max_source_len

@@ -172,7 +172,8 @@ def file_row(cfg: Config) -> dict:
     lexicon.cache_clear()  # built from scratch, as a fresh process would
     started = time.perf_counter()
     rt = runtime.setup(cfg.system, cfg.placement, decoding_precision(cfg))
-    meta, tokenizer = read_meta(cfg.data.dir), open_tokenizer(cfg.data.dir)
+    meta = read_meta(cfg.data.dir)
+    tokenizer = open_tokenizer(cfg.data.dir, meta)
     name, _, ids = read_eval_pairs(cfg, meta, tokenizer)
     model, _ = load_model(weights(cfg), rt, meta, cfg.eval.quantize)
     lex = lexicon(cfg.data.dir)

@@ -118,10 +118,10 @@ def training_words(data_dir: str | Path) -> frozenset[str]:
     return frozenset(known)
 
 
-def open_tokenizer(data_dir: str | Path) -> Tokenizer:
-    """The dir's tokenizer, checked against the sha256 that meta.json recorded."""
+def open_tokenizer(data_dir: str | Path, meta: dict | None = None) -> Tokenizer:
+    """The dir's tokenizer, checked against the sha256 that meta.json recorded (`meta`, if already read)."""
     data_dir = Path(data_dir)
-    meta = read_meta(data_dir)
+    meta = meta or read_meta(data_dir)
     tokenizer = Tokenizer(data_dir / meta["spm_model"])
     if tokenizer.sha256 != meta["spm_sha256"]:
         raise DataError(f"{data_dir / meta['spm_model']} does not match the sha256 in meta.json "

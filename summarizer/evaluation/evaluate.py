@@ -65,7 +65,7 @@ def evaluate(cfg: Config) -> dict:
     check_beam(cfg, meta)
     out_dir = Path(cfg.eval.out_dir) if cfg.eval.out_dir else cfg.run_dir
     refuse_overlap(out_dir, [cfg.data.dir] + ([cfg.eval.pairs] if cfg.eval.pairs else []), "eval.out_dir")
-    tokenizer = open_tokenizer(cfg.data.dir)
+    tokenizer = open_tokenizer(cfg.data.dir, meta)
     name, pairs, ids = read_eval_pairs(cfg, meta, tokenizer)
     ckpt = eval_checkpoint(cfg)
     model, source = load_model(ckpt, rt, meta, cfg.eval.quantize)

@@ -122,7 +122,8 @@ def initial_weights(cfg: Config, meta: dict) -> dict | None:
                           f"another checkpoint (a run's best.pt or ckpt_*.pt)")
     state = checkpoint.require_model(checkpoint.load(path), path)
     checkpoint.check_tokenizer(state["data_meta"], meta, f"train.init_from={path}")
-    want = Seq2Seq(cfg.model, meta["vocab_size"]).state_dict()
+    with torch.device("meta"):  # the parameters' shapes, without allocating or initialising a model
+        want = Seq2Seq(cfg.model, meta["vocab_size"]).state_dict()
     have = state["model"]
     shapes = [k for k in sorted(set(want) | set(have))
               if k not in want or k not in have or want[k].shape != have[k].shape]
@@ -198,7 +199,8 @@ def open_session(cfg: Config) -> Session:
     """Devices, seeds, data, model and optimizer state: fresh, or restored from the run's latest checkpoint."""
     rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
     runtime.seed_everything(cfg.train.seed, cfg.system.deterministic)
-    meta, tokenizer = read_meta(cfg.data.dir), open_tokenizer(cfg.data.dir)
+    meta = read_meta(cfg.data.dir)
+    tokenizer = open_tokenizer(cfg.data.dir, meta)
     check_data_settings(cfg.data, meta)
     # train.init_from of a new run is checked before its run dir is claimed: a wrong path leaves nothing behind
     init = initial_weights(cfg, meta) if checkpoint.latest_path(cfg.run_dir) is None else None
@@ -208,8 +210,6 @@ def open_session(cfg: Config) -> Session:
         lock = hold_lock(cfg.run_dir, "run.dir")  # held until the run's process ends: one run per run dir
         claim_events_dir(cfg.tensorboard_dir, cfg.run_dir)
     state, changes = resume_state(cfg, meta)
-    if state is None and init is None:  # checkpoints there, none readable: a new run after all
-        init = initial_weights(cfg, meta)
     model, optimizer, scaler = build(cfg, rt, meta, state, init)
     ema = build_ema(model, cfg.train.ema_decay, state, cfg.train.max_steps)
     progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
