@@ -189,7 +189,7 @@ def test_a_run_dir_removed_while_training_ends_in_one_message_and_never_hangs(ti
     on at exit, with validation workers alive (persistent) when it happens."""
     proc = _launch(tiny_data, tmp_path / "run", "train.max_steps=100000", "train.eval_every=2",
                    "train.rouge_every=0", "train.select_by=loss", "train.ckpt_every=100000",
-                   "data.num_workers=1")
+                   "data.num_workers=1", f"run.tensorboard_dir={tmp_path}/tb")  # the events elsewhere, as by default
     _wait_for(tmp_path / "run" / "metrics.jsonl", proc)
     while len([line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
                if '"valid"' in line]) < 2:  # the validation workers have started
