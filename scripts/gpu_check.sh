@@ -70,10 +70,12 @@ for p in fp32 bf16 fp16; do
 done
 
 # 2. The bench's training rows (NOT_HERE rows such as pin_memory on a CPU are listed as skipped).
-ROWS="[precision_bf16, precision_fp16, naive_vs_default, fused_optimizer, workers, pin_memory, "
-ROWS+="cudnn_benchmark, attention_kernel]"
-step 2 bench 150 "$PY" -m summarizer bench "${COMMON[@]}" run.name=gc_bench "run.dir=$OUT/bench" "bench.rows=$ROWS" \
-  bench.repeats=3 bench.warmup=1 bench.steps=10 bench.find_batch_tokens=false
+# The AMP rows twice: the first epoch's new batch shapes, and the second epoch's (shapes seen before).
+ROWS="[precision_bf16, precision_bf16_epoch2, precision_fp16, precision_fp16_epoch2, naive_vs_default, "
+ROWS+="fused_optimizer, workers, pin_memory, cudnn_benchmark, attention_kernel]"
+step 2 bench 210 "$PY" -m summarizer bench "${COMMON[@]}" run.name=gc_bench "run.dir=$OUT/bench" "bench.rows=$ROWS" \
+  $([ "$DEV" = cuda ] && echo bench.repeats=3 bench.warmup=1 bench.steps=10 || echo bench.repeats=1 bench.warmup=0 bench.steps=2) \
+  bench.find_batch_tokens=false
 
 # 3. The fp32 run's best.pt decoded on the test split: precisions at beam 4, and greedy.
 LIMIT=$([ "$DEV" = cuda ] && echo 1000 || echo 40)

@@ -106,7 +106,7 @@ def table_rows(text: str) -> list[list[str]]:
 def test_cpu_mode_runs_every_part_and_prints_a_number_per_row(tmp_path):
     from data_prep.__main__ import main as prep
     assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tmp_path / 'data'}"]) == 0
-    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "20", "OUT": str(tmp_path / "out"),
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "12", "OUT": str(tmp_path / "out"),
            "PYTHON": sys.executable}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "data")], env=env,
                           capture_output=True, text=True, timeout=900)

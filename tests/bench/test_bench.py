@@ -20,7 +20,9 @@ def cfg(tiny_prepared, tmp_path):
 
 @pytest.mark.slow
 def test_every_timing_row_measures_on_and_off(cfg):
-    cfg.bench.rows = [n for n in rows(cfg) if not n.startswith("memory") and n != "compile"]
+    # second-epoch rows (fresh processes, an epoch each) have their own test below
+    steady = ("kernel_cache", "pad_multiple", "precision_bf16_epoch2")
+    cfg.bench.rows = [n for n in rows(cfg) if not n.startswith("memory") and n not in ("compile", *steady)]
     cfg.bench.find_batch_tokens = False
     cfg.eval.quantize = "none"  # float32 on both sides of the decode rows: release 1 gives the same summaries
     results = run_bench(cfg)
@@ -143,3 +145,19 @@ def test_16_bit_decoding_row_runs_on_any_cpu(cfg, precision):
     for side in ("on", "off"):
         assert result[side]["n"] == 2 and 0 < result[side]["median"] and 0 <= result[side]["rouge1"] <= 100
     assert isinstance(result["same_outputs"], bool)
+
+
+@pytest.mark.slow
+def test_second_epoch_rows_take_probe_options_and_alternate_fresh_processes(cfg):
+    """The steady-state form of a row (the GPU's AMP rows and naive_vs_default there): each side trains an epoch
+    unmeasured in its own process first, with its probe options (fixed-size batches, a sync every step)."""
+    from summarizer.bench.run import second_epoch_rates
+    cfg.bench.repeats = 1
+    result = second_epoch_rates((cfg, {}), (cfg, {"fixed_batches": True, "item_every_step": True}))
+    for side in ("on", "off"):
+        assert result[side]["n"] == 1 and result[side]["min"] > 0
+    table = rows(cfg)
+    padded = table["pad_multiple"][3]()  # a row of the table in that form, end to end
+    assert padded["on"]["n"] == padded["off"]["n"] == 1
+    if "precision_bf16" in table:  # the first-epoch and second-epoch forms come as a pair
+        assert "precision_bf16_epoch2" in table
