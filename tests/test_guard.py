@@ -4,8 +4,6 @@ short says finished, workers start deaf to the group's signals, and nothing wait
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from summarizer.data.batches import SignalSafeLoader, init_worker
 from summarizer.model import checkpoint
 from summarizer.train import guard
 from summarizer.train import loop as train_mod
+from tests.processes import train_process, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.d_model=32", "model.n_heads=4", "model.encoder_layers=1", "model.decoder_layers=1",
@@ -168,18 +167,7 @@ def test_a_worker_that_died_of_the_stop_signal_is_a_stop_not_an_out_of_memory(ti
 
 
 def _launch(tiny_data, run_dir, *extra):
-    args = [sys.executable, "-m", "summarizer", "train", "--config", str(ROOT / "configs/tiny.yaml"),
-            *overrides(tiny_data, run_dir, *extra)]
-    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
-
-
-def _wait_for(path: Path, proc, timeout=600):  # a safety net on a busy machine, not a speed check
-    deadline = time.time() + timeout
-    while not path.exists():
-        assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.01)
+    return train_process(overrides(tiny_data, run_dir, *extra), new_session=True)
 
 
 @pytest.mark.slow
@@ -190,7 +178,7 @@ def test_a_run_dir_removed_while_training_ends_in_one_message_and_never_hangs(ti
     proc = _launch(tiny_data, tmp_path / "run", "train.max_steps=100000", "train.eval_every=2",
                    "train.rouge_every=0", "train.select_by=loss", "train.ckpt_every=100000",
                    "data.num_workers=1", f"run.tensorboard_dir={tmp_path}/tb")  # the events elsewhere, as by default
-    _wait_for(tmp_path / "run" / "metrics.jsonl", proc)
+    wait_for(tmp_path / "run" / "metrics.jsonl", proc)
     while len([line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
                if '"valid"' in line]) < 2:  # the validation workers have started
         assert proc.poll() is None
@@ -209,3 +197,19 @@ def test_a_run_dir_removed_while_training_ends_in_one_message_and_never_hangs(ti
         assert rc == -stop or "stopped by SIGTERM" in output  # the signal came as the error was ending the run
     else:
         assert rc == 2 and "was removed while the run trained" in output, output[-2000:]
+
+
+def test_a_run_dir_moved_away_stops_the_run_even_once_a_write_made_it_again(tiny_data, tmp_path, monkeypatch):
+    """A moved dir keeps the open metrics file writable, and a checkpoint's write makes the dir again, empty:
+    no write fails, so the run checks its ownership marker instead of training on into a dir not its own."""
+    def moving_validation(session, extra, rouge, abandonable):
+        if session.progress["step"] == 5:
+            (tmp_path / "run").rename(tmp_path / "moved")
+            checkpoint.save(session.best_snapshot(), session.cfg.run_dir / checkpoint.BEST)  # makes run/ again
+        return False
+
+    monkeypatch.setattr(train_mod, "validate", moving_validation)
+    cfg = load_config(ROOT / "configs/tiny.yaml", overrides(tiny_data, tmp_path / "run", "train.max_steps=30",
+                                                            "train.eval_every=5", f"run.tensorboard_dir={tmp_path}/tb"))
+    with pytest.raises(guard.TrainingAborted, match="was removed while the run trained"):
+        train_mod.train(cfg)

@@ -2,9 +2,6 @@ import functools
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +18,7 @@ from summarizer.runtime import move_batch
 from summarizer.train import loop as train_mod
 from summarizer.train import validation
 from summarizer.train.optim import build_optimizer
+from tests.processes import train_process, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.d_model=32", "model.n_heads=4", "model.encoder_layers=1", "model.decoder_layers=1",
@@ -142,18 +140,8 @@ def test_same_seed_same_losses_with_workers(tiny_data, tmp_path):
 
 
 def _launch(tiny_data, run_dir, *extra, new_session=False):
-    args = [sys.executable, "-m", "summarizer", "train", "--config", str(ROOT / "configs/tiny.yaml"),
-            f"data.dir={tiny_data}", f"run.dir={run_dir}", f"run.tensorboard_dir={run_dir}/tb", *SMALL, *extra]
-    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=new_session)
-
-
-def _wait_for(path: Path, proc, timeout=600):  # a safety net on a busy machine, not a speed check
-    deadline = time.time() + timeout
-    while not path.exists():
-        assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.01)
+    return train_process([f"data.dir={tiny_data}", f"run.dir={run_dir}", f"run.tensorboard_dir={run_dir}/tb", *SMALL,
+                          *extra], new_session)
 
 
 @pytest.mark.slow
@@ -164,7 +152,7 @@ def test_resume_after_sigkill_logs_exactly_the_uninterrupted_losses(tiny_data, t
     reference = _launch(tiny_data, tmp_path / "ref", *extra)
     assert reference.wait(timeout=600) == 0
     killed = _launch(tiny_data, tmp_path / "killed", *extra)
-    _wait_for(tmp_path / "killed" / "ckpt_00000040.pt", killed)
+    wait_for(tmp_path / "killed" / "ckpt_00000040.pt", killed)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     assert not (tmp_path / "killed" / "ckpt_00000080.pt").exists(), "the run finished before the kill"
@@ -184,7 +172,7 @@ def test_signal_to_the_process_group_checkpoints_then_exits_as_interrupted(tiny_
     # checkpoints, says how to resume, and exits 128 + signal (130, 143) so scripts do not go on as if it finished.
     proc = _launch(tiny_data, tmp_path / "run", "train.max_steps=100000", "train.ckpt_every=100000",
                    "train.eval_every=100000", f"data.num_workers={workers}", new_session=True)
-    _wait_for(tmp_path / "run" / "metrics.jsonl", proc)
+    wait_for(tmp_path / "run" / "metrics.jsonl", proc)
     os.killpg(proc.pid, sig)
     assert proc.wait(timeout=600) == 128 + sig, proc.stdout.read().decode()[-2000:]
     output = proc.stdout.read().decode()
@@ -207,7 +195,7 @@ def test_a_worker_killed_by_sigkill_checkpoints_and_exits_instead_of_hanging(tin
     says what happened and what to do, and exits non-zero promptly (it used to wait forever at exit)."""
     proc = _launch(tiny_data, tmp_path / "run", "train.max_steps=100000", "train.ckpt_every=100000",
                    "train.eval_every=100000", "data.num_workers=2", "data.persistent_workers=true")
-    _wait_for(tmp_path / "run" / "metrics.jsonl", proc)
+    wait_for(tmp_path / "run" / "metrics.jsonl", proc)
     workers = _children(proc.pid)
     assert len(workers) >= 2, workers
     os.kill(workers[0], signal.SIGKILL)
@@ -245,7 +233,7 @@ def test_a_second_training_on_a_running_run_dir_is_refused(tiny_data, tmp_path):
     first = _launch(tiny_data, tmp_path / "run", "train.max_steps=100000", "train.ckpt_every=100000",
                     "train.eval_every=100000")
     try:
-        _wait_for(tmp_path / "run" / "metrics.jsonl", first)
+        wait_for(tmp_path / "run" / "metrics.jsonl", first)
         second = _launch(tiny_data, tmp_path / "run", "train.max_steps=100000", "train.lr=0.002")
         assert second.wait(timeout=300) == 2
         output = second.stdout.read().decode()

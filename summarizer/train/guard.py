@@ -161,15 +161,25 @@ def rank_failed(exc: BaseException, rt: Runtime, step: int) -> TrainingAborted |
         f"Checkpoints already written are intact: run the same command again to resume from the latest.")
 
 
-def run_dir_removed(exc: BaseException, cfg: Config) -> TrainingAborted | None:
-    """The message for a write that failed because the run dir itself is gone; None for other errors. The
-    ownership marker tells: a write may already have made the dir again, empty."""
-    if not isinstance(exc, FileNotFoundError) or (cfg.run_dir / MARKER).exists():
+def run_dir_removed(exc: BaseException | None, cfg: Config) -> TrainingAborted | None:
+    """The message for a run whose dir was removed (or moved) while it trained, noticed by a write that failed
+    (`exc`) or by `check_run_dir`; None for other errors. The ownership marker tells: a checkpoint's write makes
+    its dir again, empty, and a log file still open follows the dir wherever it was moved."""
+    if (exc is not None and not isinstance(exc, FileNotFoundError)) or (cfg.run_dir / MARKER).exists():
         return None
+    what = f" ({exc.filename} could not be written)" if exc is not None else ""
     return TrainingAborted(
-        f"the run dir {cfg.run_dir} was removed while the run trained ({exc.filename} could not be written): "
-        f"its checkpoints went with it, so nothing more can be saved. Start the run again (it begins anew), or "
-        f"with another run.dir")
+        f"the run dir {cfg.run_dir} was removed while the run trained{what}: its checkpoints went with it, so "
+        f"nothing more can be saved there. Start the run again (it begins anew), or with another run.dir")
+
+
+def check_run_dir(session: Session) -> None:
+    """Stop the run when its dir has gone (rank 0, which owns it): writing on would fill a dir that is no longer
+    this run's, and a later resume would find it unmarked and refuse it."""
+    if session.rt.is_main:
+        removed = run_dir_removed(None, session.cfg)
+        if removed is not None:
+            raise removed
 
 
 def roll_back_spike(session: Session, fetched: list, out: dict) -> bool:

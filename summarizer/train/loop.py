@@ -19,6 +19,7 @@ from summarizer.train.guard import (
     StopRequested,
     TrainingAborted,
     agree,
+    check_run_dir,
     dead_worker,
     out_of_memory,
     rank_failed,
@@ -185,6 +186,7 @@ def after_step(session: Session, loop: Loop, out: dict) -> bool:
     """Log, validate and checkpoint on their intervals; True when training must stop now. A stop signal during
     validation abandons it for the checkpoint."""
     train_cfg, step, window = session.cfg.train, session.progress["step"], loop.window
+    check_run_dir(session)
     time_up = bool(train_cfg.max_minutes) and agree(session.progress["elapsed_s"] >= 60 * train_cfg.max_minutes,
                                                      session.rt)
     final = step >= train_cfg.max_steps or time_up
