@@ -152,7 +152,7 @@ def test_quantize_auto_is_int8_only_where_decoding_runs_on_the_cpu_in_fp32():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     rt = lambda dev, dec, precision: SimpleNamespace(device=dev, decoder_device=dec, precision=precision)  # noqa: E731
     assert resolve_quantize("auto", rt(cpu, cpu, "fp32")) == "int8"
-    assert resolve_quantize("auto", rt(cpu, cpu, "bf16")) == "none"  # where bf16 is fast, it decodes in bf16
+    assert resolve_quantize("auto", rt(cpu, cpu, "bf16")) == "none"  # eval.precision=bf16 asked for: 16-bit form
     assert resolve_quantize("auto", rt(cuda, cuda, "bf16")) == "none"
     assert resolve_quantize("auto", rt(cuda, cpu, "fp32")) == "none"  # encoder on a GPU: int8 is CPU only
     assert resolve_quantize("none", rt(cpu, cpu, "fp32")) == "none"
@@ -250,3 +250,22 @@ def test_eval_writes_into_a_run_dir_only_when_it_evaluates_that_runs_checkpoint(
     assert f"eval.out_dir={other} is a run directory of this product, not a eval directory (an eval writes into " \
            f"a run's dir only when it evaluates that run's checkpoint, not {tmp / 'run' / 'best.pt'})" in err
     assert "Traceback" not in err and _files(other) == before
+
+
+@pytest.mark.parametrize("host_bf16", [False, True], ids=["fp32-host", "bf16-host"])
+def test_default_decoding_on_either_kind_of_cpu_is_fp32_with_int8_layers(trained_tiny, monkeypatch, host_bf16):
+    """eval.precision=auto with eval.quantize=auto: int8 in fp32 on a CPU, also where bf16 is fast (int8 decodes
+    the recipe faster there); an explicit precision or quantize is kept as asked."""
+    from summarizer import runtime
+    from summarizer.__main__ import main
+    from summarizer.config.load import load_config
+    from summarizer.decode.quantize import decoding_precision
+    monkeypatch.setattr(runtime.device, "cpu_has_fast_bf16", lambda: host_bf16)
+    assert decoding_precision(load_config(None, ["system.device=cpu"])) == "fp32"
+    assert decoding_precision(load_config(None, ["system.device=cpu", "eval.precision=bf16"])) == "bf16"
+    assert decoding_precision(load_config(None, ["system.device=cpu", "eval.quantize=none"])) == "auto"
+    tmp, args = trained_tiny
+    out = tmp / f"default_{host_bf16}"
+    assert main(["eval", *args, f"eval.out_dir={out}"]) == 0
+    settings = json.loads((out / "rouge.json").read_text())["settings"]
+    assert (settings["precision"], settings["quantize"]) == ("fp32", "int8")

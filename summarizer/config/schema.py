@@ -171,7 +171,7 @@ class EvalConfig:
     beam_size: int = key(4, above=0)
     batch_tokens: int = key(16384, above=0)  # padded source tokens x beam_size per decoding batch (the decoder's rows)
     threads: int = key(0, low=0)  # batches decoded at once, one core each; 0 = one per core on CPU, 1 on GPU
-    precision: str = key("auto", choices=PRECISIONS)  # decoding: auto = bf16 where fast, else fp32 on CPU
+    precision: str = key("auto", choices=PRECISIONS)  # decoding: auto = fp32 (int8 layers) on CPU, bf16 on GPU
     quantize: str = key("auto", choices=("auto", "none", "int8"))  # auto: int8 where decoding runs on CPU in fp32
     max_len: int = key(30, above=0)  # target tokens
     min_len: int = key(8, low=0)  # tokens; headlines near the references' length: docs/results.md
