@@ -13,8 +13,8 @@ from summarizer import runtime
 from summarizer.config.schema import Config
 from summarizer.data.prepared import check_data_settings, open_tokenizer, read_meta
 from summarizer.data.tokenizer import blank_controls
-from summarizer.decode.constraints import lexicon
 from summarizer.decode.inference import check_beam, eval_checkpoint, load_model, summary_text
+from summarizer.decode.lexicon import lexicon
 from summarizer.decode.quantize import decoding_precision
 from summarizer.decode.search import copied_unknowns, decode_all
 

@@ -139,7 +139,8 @@ def test_word_rules_emit_only_known_or_source_words_and_never_twice(lexicon_and_
 def test_numbers_and_the_unknown_marker_come_only_from_the_source(tiny_prepared):
     """A masked number ("##") or "<unk>" is a training word, but a summary may write one only when its own
     source has it: made up, it is a hole in the headline ("$ ## millions", "rises <unk> %")."""
-    from summarizer.decode.constraints import WordRules, lexicon
+    from summarizer.decode.constraints import WordRules
+    from summarizer.decode.lexicon import lexicon
     tokenizer, lex = open_tokenizer(tiny_prepared), lexicon(tiny_prepared)
     assert {"##", "<unk>"} <= training_words(tiny_prepared)
     number, (space, unk) = tokenizer.encode("##"), tokenizer.encode("<unk>")
@@ -157,7 +158,8 @@ def test_numbers_and_the_unknown_marker_come_only_from_the_source(tiny_prepared)
 def test_a_source_word_with_a_character_outside_the_vocabulary_is_copied_whole_or_not_at_all(tiny_prepared):
     """"bj<UNK>rk" may be written with its UNK (the readable form puts the character back), never as "bjrk"."""
     from summarizer.data.tokenizer import UNK
-    from summarizer.decode.constraints import WordRules, lexicon
+    from summarizer.decode.constraints import WordRules
+    from summarizer.decode.lexicon import lexicon
     tokenizer, lex = open_tokenizer(tiny_prepared), lexicon(tiny_prepared)
     source = tokenizer.encode("bj\u00f6rk won")
     assert UNK in source
@@ -211,7 +213,8 @@ def test_punctuation_does_not_make_a_used_word_new(tiny_prepared, known_only):
 def test_a_rows_word_hash_is_the_hash_of_its_repeat_key(tiny_prepared):
     """The hash a row extends piece by piece equals the hash of Lexicon.repeat_key of the word's pieces, for
     every training word and words of punctuation alone."""
-    from summarizer.decode.constraints import WordRules, lexicon, text_hash
+    from summarizer.decode.constraints import WordRules, text_hash
+    from summarizer.decode.lexicon import lexicon
     tokenizer, lex = open_tokenizer(tiny_prepared), lexicon(tiny_prepared)
     words = sorted(training_words(tiny_prepared)) + ["--", "-lrb-", "u.s.", "feb.", "(afp)", "...", "'s", "#,###"]
     encoded = [ids for ids in tokenizer.encode_batch(words) if ids and lex.starts_word[ids[0]]]

@@ -238,6 +238,7 @@ TESTED_BY = {
     "runtime/placement.py": ["test_runtime.py", "test_distributed.py"],
     "decode/search.py": ["test_decoding.py"],
     "decode/constraints.py": ["test_decoding.py"],
+    "decode/lexicon.py": ["test_decoding.py"],
     "decode/quantize.py": ["test_decoding.py", "test_evaluate.py"],
     "decode/readable.py": ["test_readable.py"],
     "decode/inference.py": ["test_evaluate.py", "test_scoring.py", "test_readable.py"],

@@ -20,7 +20,7 @@ from summarizer.bench import decoding_v1
 from summarizer.config.schema import Config
 from summarizer.data.batches import pad_sources
 from summarizer.data.prepared import load_split, open_tokenizer, read_meta, read_pairs
-from summarizer.decode.constraints import lexicon
+from summarizer.decode.lexicon import lexicon
 from summarizer.decode.quantize import decoding_form, decoding_precision, resolve_quantize
 from summarizer.decode.search import decode_all
 from summarizer.evaluation.scoring import rouge_report

@@ -19,7 +19,7 @@ from summarizer.config.load import from_dict, to_dict
 from summarizer.config.schema import Config
 from summarizer.data.batches import PairDataset, TokenBatchSampler, make_loader, padding_fraction
 from summarizer.data.prepared import read_meta, valid_split
-from summarizer.decode.constraints import lexicon
+from summarizer.decode.lexicon import lexicon
 from summarizer.decode.search import decode_all
 from summarizer.outputs import atomic_write, claim_dir
 from summarizer.runtime import move_batch

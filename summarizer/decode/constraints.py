@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from summarizer.data.prepared import open_tokenizer, training_words
-from summarizer.data.tokenizer import BOS, EOS, MASK_PIECE, PAD, TAG_PIECE, UNK, UNK_WORD, Tokenizer
+from summarizer.data.tokenizer import BOS, EOS, MASK_PIECE, PAD, TAG_PIECE, UNK, Tokenizer
 
 WORD_START = "\u2581"  # SentencePiece's word-start marker
 UNKNOWN_TEXT = "\u2047"  # an UNK piece's text in a word (how SentencePiece writes it)
@@ -386,16 +384,3 @@ class WordRules:
         self.src_pieces, self.src_len, self.src_hash = (t[sentences] for t in (self.src_pieces, self.src_len,
                                                                                  self.src_hash))
         self._ends = None
-
-
-def source_only(word: str) -> bool:
-    """Words a summary may take from its own source but never from the training text: the unknown-word
-    marker and masked numbers ("##.#"). Written without the source, they mean nothing to a reader."""
-    return word == UNK_WORD or "#" in word
-
-
-@functools.lru_cache(maxsize=4)
-def lexicon(data_dir: str | Path) -> Lexicon:
-    """The dir's tokenizer and training words as the word rules of decoding use them (built once per process):
-    every training word except the source-only ones."""
-    return Lexicon(open_tokenizer(data_dir), {w for w in training_words(data_dir) if not source_only(w)})

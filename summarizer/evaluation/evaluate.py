@@ -11,7 +11,6 @@ from summarizer import runtime
 from summarizer.config.schema import Config
 from summarizer.data.prepared import open_tokenizer, read_meta, training_words
 from summarizer.data.tokenizer import normalize
-from summarizer.decode.constraints import lexicon
 from summarizer.decode.inference import (
     check_beam,
     eval_checkpoint,
@@ -20,6 +19,7 @@ from summarizer.decode.inference import (
     summary_text,
     truncate_bytes,
 )
+from summarizer.decode.lexicon import lexicon
 from summarizer.decode.quantize import decoding_precision
 from summarizer.decode.search import copied_unknowns, decode_all
 from summarizer.evaluation.scoring import quality, rouge_report, words

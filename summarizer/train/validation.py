@@ -15,7 +15,7 @@ from summarizer.config.schema import Config
 from summarizer.data.batches import PairDataset
 from summarizer.data.prepared import read_pairs, training_words, valid_split
 from summarizer.data.tokenizer import Tokenizer
-from summarizer.decode.constraints import lexicon
+from summarizer.decode.lexicon import lexicon
 from summarizer.decode.search import decode_all
 from summarizer.evaluation.scoring import ROUGE_TYPES, quality, rouge_report, words
 from summarizer.model import checkpoint
