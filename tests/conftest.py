@@ -56,3 +56,12 @@ def trained_run(tmp_path_factory) -> tuple[Path, list[str]]:
     assert prep(args[:4]) == 0
     assert main(["train", *args]) == 0
     return tmp, args
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """configs/tiny.yaml's fixture prepared as `make smoke` prepares it, once per test module."""
+    from data_prep.__main__ import main as prep
+    data_dir = tmp_path_factory.mktemp("data") / "tiny"
+    assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={data_dir}"]) == 0
+    return data_dir

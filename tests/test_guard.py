@@ -25,14 +25,6 @@ SMALL = ["model.d_model=32", "model.n_heads=4", "model.encoder_layers=1", "model
          "train.warmup_steps=10", "train.sample_summaries=0", "train.module_stats=false"]
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    from data_prep.__main__ import main as prep
-    data_dir = tmp_path_factory.mktemp("data") / "tiny"
-    assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={data_dir}"]) == 0
-    return data_dir
-
-
 def overrides(tiny_data, run_dir, *extra):
     return [f"data.dir={tiny_data}", f"run.dir={run_dir}", f"run.tensorboard_dir={run_dir}/tb", *SMALL, *extra]
 
