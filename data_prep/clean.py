@@ -36,15 +36,15 @@ def _drop_rule(raw_src: str, raw_tgt: str, src: str, tgt: str, max_src: int, max
     return ""
 
 
-def _clean_batch(batch: dict, lowercase: bool, mask_digits: bool, max_src: int, max_tgt: int) -> dict:
+def _clean_batch(batch: dict, lowercase: bool, mask_digits: bool, words: str, max_src: int, max_tgt: int) -> dict:
     out = {"source": [], "target": [], "references": [], "drop": [], "pair_hash": [], "source_hash": []}
     for raw_src, raw_tgt, refs in zip(batch["source"], batch["target"], batch["references"], strict=True):
         raw_src, raw_tgt = raw_src or "", raw_tgt or ""  # CSV gives None for an empty cell
-        src = normalize(raw_src, lowercase, mask_digits)
-        tgt = normalize(raw_tgt, lowercase, mask_digits)
+        src = normalize(raw_src, lowercase, mask_digits, words)
+        tgt = normalize(raw_tgt, lowercase, mask_digits, words)
         out["source"].append(src)
         out["target"].append(tgt)
-        out["references"].append([normalize(r or "", lowercase, mask_digits) for r in refs or []])
+        out["references"].append([normalize(r or "", lowercase, mask_digits, words) for r in refs or []])
         out["drop"].append(_drop_rule(raw_src, raw_tgt, src, tgt, max_src, max_tgt))
         out["pair_hash"].append(hash64(src + "\n" + tgt))  # normalised text holds no newline
         out["source_hash"].append(hash64(src))
@@ -53,7 +53,7 @@ def _clean_batch(batch: dict, lowercase: bool, mask_digits: bool, max_src: int, 
 
 def clean_split(ds: Dataset, cfg: DataConfig, name: str, num_proc: int | None) -> tuple[Dataset, dict]:
     """Cleaned pairs in input order (columns source, target, references, source_hash) and drops per rule."""
-    kwargs = dict(lowercase=cfg.lowercase, mask_digits=cfg.mask_digits,
+    kwargs = dict(lowercase=cfg.lowercase, mask_digits=cfg.mask_digits, words=cfg.word_tokenizer,
                   max_src=cfg.max_source_words, max_tgt=cfg.max_target_words)
     # keep_in_memory: derived tables are cheap to rebuild; caching them would grow .hf_cache on every run.
     ds = ds.map(_clean_batch, batched=True, fn_kwargs=kwargs, num_proc=num_proc, keep_in_memory=True,
@@ -71,18 +71,20 @@ def clean_split(ds: Dataset, cfg: DataConfig, name: str, num_proc: int | None) -
     return ds, {rule: dropped.get(rule, 0) for rule in RULES}
 
 
-def hold_out(train: Dataset, n: int, unpaired_tags: tuple = ()) -> tuple[Dataset, Dataset]:
+def hold_out(train: Dataset, n: int, unpaired_tags: tuple = (), only_tag: str = "") -> tuple[Dataset, Dataset]:
     """(train, valid): the n pairs with the smallest source hash, independent of any seed; never a sentence of an
-    unpaired source (`unpaired_tags`), which has no headline to score.
+    unpaired source (`unpaired_tags`), which has no headline to score; with `only_tag` (data.source_tag), pairs of
+    that tag only.
 
     Pairs sharing a source share its hash, so the whole group at the boundary goes to valid:
     valid may hold slightly more than n pairs but never shares a source with train.
     """
     hashes = np.asarray(train.with_format("numpy", columns=["source_hash"])[:]["source_hash"])
     order = np.lexsort((np.arange(len(hashes)), hashes))
-    if unpaired_tags:
+    if unpaired_tags or only_tag:
         tags = np.asarray(train.with_format("numpy", columns=["tag"])[:]["tag"])
         order = order[~np.isin(tags[order], list(unpaired_tags))]
+        order = order[tags[order] == only_tag] if only_tag else order
     cut = n
     while cut < len(order) and hashes[order[cut]] == hashes[order[n - 1]]:
         cut += 1

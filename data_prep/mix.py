@@ -52,10 +52,17 @@ class FileSpec:
     unpaired: bool = False  # sentences without headlines: each is paired with itself (a denoising example)
 
 
-def parse_entry(entry, split: str) -> FileSpec:
-    """A data.source mapping entry (a path, or a mapping with path/filter/clean/tag) as a FileSpec."""
+def under(root: str, path: str | Path) -> Path:
+    """`path` read from data.root: a relative path is joined to it, when it is set."""
+    path = Path(path)
+    return Path(root) / path if root and not path.is_absolute() else path
+
+
+def parse_entry(entry, split: str, root: str = "") -> FileSpec:
+    """A data.source mapping entry (a path, or a mapping with path/filter/clean/tag) as a FileSpec; relative paths
+    are read from `root` (data.root) where it is set."""
     if isinstance(entry, (str, Path)):
-        return FileSpec(Path(entry))
+        return FileSpec(under(root, entry))
     if not isinstance(entry, dict) or "path" not in entry:
         raise ConfigError(f"data.source.{split}: each entry is a file path or a mapping with 'path' (and optional "
                           f"'filter', 'clean', 'tag'), got {entry!r}")
@@ -84,7 +91,7 @@ def parse_entry(entry, split: str) -> FileSpec:
                           + ("must be a train entry: valid and test pairs are scored against headlines"
                              if split != "train" else "needs a tag (`tag: NAME`): training tells its sentences apart "
                              "by it, and decoding must never be asked for their style"))
-    return FileSpec(Path(entry["path"]), tuple(sorted(wanted.items())), tuple(rules), tag, unpaired)
+    return FileSpec(under(root, entry["path"]), tuple(sorted(wanted.items())), tuple(rules), tag, unpaired)
 
 
 def sha256(path: Path) -> str:

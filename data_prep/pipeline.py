@@ -20,7 +20,7 @@ PREP_VERSION = 1  # bump when cleaning or tokenization changes, so existing prep
 CACHE_DIR = ".hf_cache"  # datasets' cache inside data.dir: nothing is written to the home directory
 # Every data key that changes what prep writes; loader-only keys (batching, workers) are left out.
 OUTPUT_KEYS = ("source", "source_field", "target_field", "references_field", "splits", "valid_holdout",
-               "lowercase", "mask_digits", "max_source_words", "max_target_words", "vocab_size",
+               "lowercase", "mask_digits", "word_tokenizer", "max_source_words", "max_target_words", "vocab_size",
                "spm_model_type", "spm_character_coverage", "spm_input_sentence_size")
 # Below this many rows per process, starting worker processes costs more than it saves.
 MIN_ROWS_PER_PROC = 20_000
@@ -80,7 +80,7 @@ def _load_and_clean(cfg: DataConfig, data_dir: Path) -> tuple[dict, dict, dict, 
         print("note: data.valid_holdout is ignored because a valid split is mapped", flush=True)
     elif cfg.valid_holdout > 0:
         cleaned["train"], cleaned["valid"] = hold_out(cleaned["train"], cfg.valid_holdout,
-                                                      tuple(unpaired_tags(inputs)))
+                                                      tuple(unpaired_tags(inputs)), cfg.source_tag)
         held = len(cleaned["valid"])
     for split in [s for s, ds in cleaned.items() if len(ds) == 0]:
         print(f"note: every {split} pair was dropped ({dropped[split]}); no {split} split is written", flush=True)
@@ -115,6 +115,8 @@ def refuse_silent_rebuild(data_dir: Path, cfg: DataConfig) -> None:
     changed = [f"vocab_size {old.get('requested_vocab_size')} -> {cfg.vocab_size}"] \
         if old.get("requested_vocab_size") != cfg.vocab_size else []
     changed += [f"data.source {old.get('source')!r} -> {cfg.source!r}"] if old.get("source") != cfg.source else []
+    words = old.get("normalization", {}).get("words", "none")
+    changed += [f"data.word_tokenizer {words} -> {cfg.word_tokenizer}"] if words != cfg.word_tokenizer else []
     raise DataError(f"data.dir={data_dir} holds data prepared from other inputs or settings "
                     f"({'; '.join(changed) or 'the input files or other data.* keys changed'}). Rebuilding it "
                     f"replaces its tokenizer, and runs trained on it could no longer resume or be evaluated. "
@@ -159,7 +161,7 @@ def prepare(cfg: DataConfig) -> dict | None:
         "requested_vocab_size": spm_info["requested_vocab_size"],
         "special_ids": {"pad": PAD, "unk": UNK, "bos": BOS, "eos": EOS},
         "spm_model": SPM_FILE, "spm_sha256": spm_info["sha256"], "dtype": dtype.name,
-        "normalization": {"lowercase": cfg.lowercase, "mask_digits": cfg.mask_digits,
+        "normalization": {"lowercase": cfg.lowercase, "mask_digits": cfg.mask_digits, "words": cfg.word_tokenizer,
                           **({"source_tag": cfg.source_tag} if cfg.source_tag else {})},
         "source": cfg.source, "splits": stats, "raw_pairs": raw_pairs, "dropped": dropped,
         "held_out_as_valid": held, "inputs": inputs, "fingerprint": fp,

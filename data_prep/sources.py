@@ -10,7 +10,7 @@ from pathlib import Path
 import datasets
 from datasets import Dataset, Features, List, Value
 
-from data_prep.mix import FileSpec, apply_cleaning, apply_filter, parse_entry, sha256
+from data_prep.mix import FileSpec, apply_cleaning, apply_filter, parse_entry, sha256, under
 from summarizer.config.schema import DataConfig
 from summarizer.data.pairs import numbered_lines, parse_record
 from summarizer.errors import ConfigError, DataError
@@ -60,13 +60,13 @@ def _scan_directory(root: Path) -> dict[str, list[FileSpec]]:
     return splits
 
 
-def _mapping_files(source: dict) -> dict[str, list[FileSpec]]:
+def _mapping_files(source: dict, root: str) -> dict[str, list[FileSpec]]:
     splits = {}
     for split, entries in source.items():
         if split not in PRODUCT_SPLITS:
             raise ConfigError(f"data.source maps unknown split '{split}': use {', '.join(PRODUCT_SPLITS)}")
         entries = [entries] if isinstance(entries, (str, dict)) else entries
-        specs = [parse_entry(e, split) for e in entries]
+        specs = [parse_entry(e, split, root) for e in entries]
         for spec in specs:
             path = spec.path
             if not path.is_file():
@@ -78,14 +78,19 @@ def _mapping_files(source: dict) -> dict[str, list[FileSpec]]:
     return splits
 
 
-def local_files(source) -> dict[str, list[FileSpec]]:
-    """Split name -> input files (and how to read each) for a directory or a mapping source (not the hub)."""
+def local_files(source, root: str = "") -> dict[str, list[FileSpec]]:
+    """Split name -> input files (and how to read each) for a directory or a mapping source (not the hub);
+    relative paths are read from `root` (data.root) where it is set."""
+    if root and not Path(root).is_dir():
+        raise DataError(f"data.root={root} is not a directory: set data.root=DIR, the directory that data.source's "
+                        f"relative paths are read from (for configs/two_stage.yaml, the one holding gigaword/ and "
+                        f"news_extra/)")
     if isinstance(source, dict):
-        return _mapping_files(source)
+        return _mapping_files(source, root)
     if not isinstance(source, str) or not source:
         raise ConfigError("data.source is empty: set it to hf:NAME[:SUBSET], a directory, "
                           "or (in YAML) a mapping {train: [files], ...}")
-    root = Path(source)
+    root = under(root, source)
     if root.is_file():
         raise DataError(f"data.source={root} is a file; give the directory that holds it (its name, e.g. "
                         f"train.jsonl, names the split), or in YAML a mapping {{train: [{root}]}}")
@@ -306,7 +311,7 @@ def load_splits(cfg: DataConfig, cache_dir: Path) -> tuple[dict[str, Dataset], l
             inputs.append({"path": f"{cfg.source}:{name}", "rows": len(ds)})
             return ds
     else:
-        files = local_files(cfg.source)
+        files = local_files(cfg.source, cfg.root)
         available = list(files)
 
         def read(name: str) -> Dataset:
@@ -326,7 +331,7 @@ def load_splits(cfg: DataConfig, cache_dir: Path) -> tuple[dict[str, Dataset], l
 
 def input_files(cfg: DataConfig) -> list[Path]:
     """The local files the mapped splits read, Rush titles included (what the prep fingerprint covers)."""
-    files = local_files(cfg.source)
+    files = local_files(cfg.source, cfg.root)
     mapping = split_mapping(cfg, list(files))
     paths = []
     for names in mapping.values():

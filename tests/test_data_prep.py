@@ -177,7 +177,7 @@ def test_meta_records_what_training_needs(tiny_prepared):
     assert meta["format_version"] == 1 and meta["dtype"] == "uint16"
     assert meta["special_ids"] == {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
     assert meta["spm_sha256"] == hashlib.sha256((tiny_prepared / meta["spm_model"]).read_bytes()).hexdigest()
-    assert meta["normalization"] == {"lowercase": False, "mask_digits": True}
+    assert meta["normalization"] == {"lowercase": False, "mask_digits": True, "words": "ptb"}
     assert meta["source"] == str(ASSETS / "tiny") and len(meta["fingerprint"]) == 64 and meta["seconds"] > 0
     assert meta["raw_pairs"] == {"train": 300, "valid": 40, "test": 40}
     for split, stats in meta["splits"].items():
@@ -452,6 +452,57 @@ def test_source_tags_put_each_pairs_tag_piece_first_and_untagged_text_gets_the_a
     with pytest.raises(DataError, match=r"data.source_tag='sport' is not the tag of any data.source entry "
                                         r"\(tags: news, wire\)"):
         prepare(cfg)
+
+
+def test_every_source_is_split_into_ptb_words_as_raw_input_is_at_inference(tmp_path):
+    """data.word_tokenizer=ptb: raw text of any source is prepared as Gigaword's tokenized text is, and raw input
+    at inference is normalised alike, so raw and tokenized input are the same to the model."""
+    from data_prep import prepare
+    from summarizer.data.tokenizer import Tokenizer
+    raw = [{"source": f"The mayor's park (in Gilmer) opened on May {n}, \"finally\".", "target": f"Park opens, {n}"}
+           for n in range(10, 16)]
+    tokenized = [{"source": "the mayor 's park -lrb- in gilmer -rrb- opened on may ## , `` finally '' .",
+                  "target": "park opens , ##"}]
+    source = {"train": [str(_write_jsonl(tmp_path / "raw.jsonl", raw)),
+                        str(_write_jsonl(tmp_path / "gw.jsonl", tokenized))]}
+    cfg = data_config(tmp_path / "out", "data.splits={train: [train]}", "data.vocab_size=60", "data.lowercase=true",
+                      "data.mask_digits=true", "data.word_tokenizer=ptb")
+    cfg.source = source
+    meta = prepare(cfg)
+    assert meta["normalization"]["words"] == "ptb"
+    assert {p["source"] for p in read_pairs(tmp_path / "out", "train")} == {tokenized[0]["source"]}  # one pair now
+    assert meta["dropped"]["train"]["duplicate"] == 6
+    tok = Tokenizer(tmp_path / "out" / "spm.model")
+    assert tok.encode_raw(raw[0]["source"], meta["normalization"]) == tok.encode(tokenized[0]["source"])
+    cfg.word_tokenizer = "none"
+    with pytest.raises(DataError, match="data.word_tokenizer ptb -> none"):
+        prepare(cfg)
+
+
+def test_relative_source_paths_are_read_from_data_root(tmp_path):
+    from data_prep import prepare
+    (tmp_path / "root" / "sub").mkdir(parents=True)
+    _write_jsonl(tmp_path / "root" / "sub" / "a.jsonl",
+                 [{"source": "x y z", "target": "x"}, {"source": "q", "target": "q"}])
+    cfg = data_config(tmp_path / "out", "data.splits={train: [train]}", f"data.root={tmp_path / 'root'}")
+    cfg.source = {"train": [{"path": "sub/a.jsonl", "tag": "a"}]}
+    assert prepare(cfg)["splits"]["train"]["pairs"] == 2
+    cfg.root = str(tmp_path / "nowhere")
+    with pytest.raises(DataError, match=r"data.root=.*nowhere is not a directory: set data.root=DIR"):
+        prepare(cfg)
+
+
+def test_the_valid_split_is_held_out_of_the_asked_for_tag_only(tmp_path):
+    from data_prep import prepare
+    own = [{"source": f"own pair number {i}", "target": f"own {i}"} for i in range(30)]
+    other = [{"source": f"other pair number {i}", "target": f"other {i}"} for i in range(30)]
+    cfg = data_config(tmp_path / "out", "data.splits={train: [train]}", "data.valid_holdout=10",
+                      "data.source_tag=own")
+    cfg.source = {"train": [{"path": str(_write_jsonl(tmp_path / "own.jsonl", own)), "tag": "own"},
+                            {"path": str(_write_jsonl(tmp_path / "other.jsonl", other)), "tag": "other"}]}
+    meta = prepare(cfg)
+    assert meta["splits"]["valid"]["pairs"] == 10 and meta["splits"]["train"]["pairs"] == 50
+    assert all(p["source"].startswith("own") for p in read_pairs(tmp_path / "out", "valid"))
 
 
 def test_unpaired_sentences_become_pairs_with_themselves_tagged_and_never_held_out(tmp_path):

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from summarizer.data.prepared import open_tokenizer, read_meta
-from summarizer.data.tokenizer import BOS, EOS, PAD, UNK, UNK_WORD, Tokenizer, normalize
+from summarizer.data.tokenizer import BOS, EOS, PAD, UNK, UNK_WORD, Tokenizer, normalize, normalize_as
 from summarizer.errors import DataError
 
 
@@ -25,6 +25,33 @@ from summarizer.errors import DataError
 def test_normalize(raw, lowercase, mask_digits, expected):
     assert normalize(raw, lowercase, mask_digits) == expected
     assert normalize(expected, lowercase, mask_digits) == expected  # idempotent
+
+
+@pytest.mark.parametrize("raw, expected", [
+    # raw text becomes what Gigaword's sources look like: Treebank words, brackets and quotes, masked digits
+    ("Kazakhstan's President said (in Astana) he \"can't\" cut US$2,500.", "kazakhstan 's president said -lrb- in "
+     "astana -rrb- he `` ca n't '' cut us $ #,### ."),
+    ("Stocks fell 3% on Monday; S&amp;P lost 12.5 points...", "stocks fell # % on monday ; s & p lost ##.# points ..."),
+    ("The UNK mayor, <unk> said: no.", "the <unk> mayor , <unk> said : no ."),
+    # Gigaword's own text comes back as it was: PTB quotes, `'s`, `n't`, masked numbers, `<unk>`
+    ("`` we do n't know '' , the <unk> 's chief said of the ##,### -lrb- ## % -rrb- rise .",
+     "`` we do n't know '' , the <unk> 's chief said of the ##,### -lrb- ## % -rrb- rise ."),
+    ("a\x1bb c", "a b c"),
+])
+def test_ptb_words(raw, expected):
+    assert normalize(raw, True, True, "ptb") == expected
+    assert normalize(expected, True, True, "ptb") == expected  # idempotent: tokenized input is left as it is
+    assert normalize_as(raw, {"lowercase": True, "mask_digits": True, "words": "ptb"}) == expected
+
+
+def test_ptb_keeps_a_hash_in_its_word():
+    assert normalize("#1 pick costs $5; ### homes", False, False, "ptb") == "#1 pick costs $ 5 ; ### homes"
+    assert normalize("#1 pick costs $5; ##,### homes", False, True, "ptb") == "## pick costs $ # ; ##,### homes"
+
+
+def test_data_prepared_without_a_word_tokenizer_is_read_as_before():
+    # meta.json written before data.word_tokenizer existed has no `words`: whitespace only
+    assert normalize_as("He can't", {"lowercase": True, "mask_digits": True}) == "he can't"
 
 
 def test_uppercase_unk_is_mapped_before_lowercasing():

@@ -62,13 +62,17 @@ class SystemConfig:
 @dataclass
 class DataConfig:
     source: Any = key("hf:Harvard/gigaword", resume=True)  # "hf:NAME[:SUBSET]", a directory, or {split: [files]}
+    # the directory that data.source's relative paths are read from ("" = the working directory): a recipe that
+    # reads several sources names them under one root (configs/two_stage.yaml), which a user sets once
+    root: str = key("", resume=True, bookkeeping=True)
     dir: str = key("data/gigaword", resume=True, bookkeeping=True)
     source_field: str = key("source", resume=True)
     target_field: str = key("target", resume=True)
     references_field: str = key("references", resume=True)
     # product split -> source split names (file stems or hub split names); missing names are skipped
     splits: dict = key({"train": ["train", "valid"], "valid": [], "test": ["test_dev", "test"]}, resume=True)
-    # >0 and no valid split mapped: hold this many train pairs out as the valid split
+    # >0 and no valid split mapped: hold this many train pairs out as the valid split (with data.source_tag set,
+    # pairs of that tag only: validation scores the style that inference asks for)
     valid_holdout: int = key(500, low=0, resume=True)
     rebuild: bool = key(False, resume=True, bookkeeping=True)  # prep: replace a prepared dir whose inputs changed
     train_limit: int = key(0, low=0)  # >0: train on only the first N prepared train pairs (overfit checks)
@@ -76,6 +80,9 @@ class DataConfig:
     source_weights: dict = key({})
     lowercase: bool = True  # applied at prep and at `summarize`
     mask_digits: bool = True  # every digit -> '#', as Gigaword's preprocessing did
+    # words split the Penn Treebank way (`it 's`, `-lrb-`) at prep and at inference, as Gigaword's text is, so
+    # raw input and every other source look like it; "none": whitespace only
+    word_tokenizer: str = key("ptb", choices=("ptb", "none"))
     # a tag name: each pair's source tag (data.source entries' `tag`) is one piece before its source; text with
     # no tag (untagged splits, eval.pairs, `summarize` input) gets this one; "" = no tag pieces
     source_tag: str = ""

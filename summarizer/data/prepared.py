@@ -39,7 +39,8 @@ def check_data_settings(cfg: DataConfig, meta: dict) -> None:
     it had been used, and silently not be."""
     norm = meta.get("normalization", {})
     recorded = {"lowercase": norm.get("lowercase"), "mask_digits": norm.get("mask_digits"),
-                "source_tag": norm.get("source_tag", ""), "vocab_size": meta.get("requested_vocab_size")}
+                "word_tokenizer": norm.get("words"), "source_tag": norm.get("source_tag", ""),
+                "vocab_size": meta.get("requested_vocab_size")}
     wrong = [f"data.{k}={getattr(cfg, k)!r} (prepared with {v!r})" for k, v in recorded.items()
              if v is not None and getattr(cfg, k) != v]
     if wrong:

@@ -10,7 +10,7 @@ from pathlib import Path
 from summarizer import runtime
 from summarizer.config.schema import Config
 from summarizer.data.prepared import open_tokenizer, read_meta, training_words
-from summarizer.data.tokenizer import normalize
+from summarizer.data.tokenizer import normalize_as
 from summarizer.decode.inference import (
     check_beam,
     eval_checkpoint,
@@ -32,7 +32,7 @@ def score(cfg: Config, meta: dict, pairs: list[dict], predictions: list[str]) ->
     measure = "r" if e.truncate_bytes else "f"
     references = [p.get("references") or [p["target"]] for p in pairs]
     report = rouge_report(predictions, references, e.bootstrap_samples, measure=measure)
-    sources = [[words(normalize(p["source"], norm["lowercase"], norm["mask_digits"])), words(p["source"])]
+    sources = [[words(normalize_as(p["source"], norm)), words(p["source"])]
                for p in pairs]
     report.update(quality(predictions, sources, references, training_words(cfg.data.dir)))
     report["lead"] = {f"lead-{k}": {kind: v[measure] for kind, v in rouge_report(
