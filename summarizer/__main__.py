@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from summarizer.config.load import load_config
+from summarizer.config.load import load_config, load_stages
 from summarizer.errors import Stopped, UserError
 
 COMMANDS = {
@@ -45,10 +45,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     if args.command in HARNESS:
         return importlib.import_module(HARNESS[args.command][0]).cli(args)
-    cfg = load_config(args.config, args.overrides)
     if args.command == "train":
-        from summarizer.train.loop import train
-        summary = train(cfg)
+        from summarizer.train.stages import train_stages
+        summary = train_stages(load_stages(args.config, args.overrides))
+        if summary is None:
+            print("every stage of the recipe is finished: `make eval` scores the last one's best.pt")
+            return 0
         best = summary["best"]
         best = "n/a" if best is None else f"{best['metric']} {best['value']:.4g}"
         print(f"trained {summary['steps']} steps in {summary['minutes']:.1f} min; best valid {best}; "
@@ -63,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"stopped by {name} at step {summary['steps']}, after writing its checkpoint; run the same command "
               f"again to resume", file=sys.stderr)
         return 128 + summary["signal"]  # as shells expect, so a scheduler records a stop, not a failure
+    cfg = load_config(args.config, args.overrides)
     if args.command == "overfit":
         from summarizer.overfit import overfit_check
         return overfit_check(cfg)

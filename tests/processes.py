@@ -9,10 +9,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train_process(overrides: list[str], new_session: bool = False) -> subprocess.Popen:
-    """configs/tiny.yaml with `overrides`, stdout and stderr in one pipe; `new_session`: its own process group
-    (setsid), as a scheduler's job is, so a signal can go to the whole group."""
-    args = [sys.executable, "-m", "summarizer", "train", "--config", str(ROOT / "configs/tiny.yaml"), *overrides]
+def train_process(overrides: list[str], new_session: bool = False,
+                  config: Path = ROOT / "configs/tiny.yaml") -> subprocess.Popen:
+    """`config` (configs/tiny.yaml) with `overrides`, stdout and stderr in one pipe; `new_session`: its own process
+    group (setsid), as a scheduler's job is, so a signal can go to the whole group."""
+    args = [sys.executable, "-m", "summarizer", "train", "--config", str(config), *overrides]
     return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=new_session)
 

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from summarizer.config.load import from_dict, load_config, save_config, to_dict
+from summarizer.config.load import from_dict, load_config, load_stages, save_config, to_dict
 from summarizer.errors import ConfigError
 
 
@@ -67,19 +67,27 @@ def test_base_yaml_is_exactly_the_code_defaults():
     assert to_dict(load_config("configs/base.yaml")) == to_dict(load_config(None))
 
 
-def test_other_configs_override_only_what_differs_from_the_recipe():
+def test_other_configs_override_only_what_differs_from_the_recipe(tmp_path):
     from pathlib import Path
     for path in sorted(Path("configs").glob("*.yaml")):
         if path.name == "base.yaml":
             continue
-        loaded = to_dict(load_config(path))
         own = yaml.safe_load(path.read_text())
         parent = own.pop("extends", None)  # a config that extends another overrides only what differs from it
+        stages = own.pop("stages", [])  # a stage overrides only what differs from the config around it
+        without_stages = tmp_path / path.name
+        without_stages.write_text(yaml.safe_dump({**own, **({"extends": str(path.parent.resolve() / parent)}
+                                                             if parent else {})}))
         below = to_dict(load_config(path.parent / parent if parent else None))
-        for section, values in own.items():
-            for key in values:
-                assert loaded[section][key] != below[section][key], \
-                    f"{path}: {section}.{key} repeats the value {below[section][key]!r} it would have; drop it"
+        layers = [(f"{path}", own, to_dict(load_config(without_stages)), below)]
+        layers += [(f"{path}, stage {stage['name']}", {k: v for k, v in stage.items() if k != "name"},
+                    to_dict(cfg), to_dict(load_config(without_stages)))
+                   for stage, (_, cfg) in zip(stages, load_stages(path) if stages else [], strict=True)]
+        for where, sections, loaded, under in layers:
+            for section, values in sections.items():
+                for key in values:
+                    assert loaded[section][key] != under[section][key], \
+                        f"{where}: {section}.{key} repeats the value {under[section][key]!r} it would have; drop it"
 
 
 def test_every_shipped_config_loads_and_base_documents_every_key():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import typing
 from pathlib import Path
@@ -159,15 +160,68 @@ def config_chain(path: Path) -> list[dict]:
     return chain
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """Defaults, then the YAML file, then each override in order; validated."""
+def _build(layers: list[dict], overrides: list[str] | tuple) -> Config:
     cfg = Config()
-    for layer in config_chain(Path(path)) if path else []:
+    for layer in layers:
         _merge(cfg, _moved(layer))
     for text in overrides:
         _merge(cfg, _moved(parse_override(text, cfg)))
-    validate(cfg)
     return cfg
+
+
+def _stage_list(path: Path, stages: Any) -> list[tuple[str, dict]]:
+    """A config's `stages:` as (name, sections) pairs, checked."""
+    if not isinstance(stages, list) or not stages:
+        raise ConfigError(f"config file {path}: `stages:` is a list of stages, each a mapping with a `name` and the "
+                          f"sections it changes, got {stages!r}")
+    out = []
+    for stage in stages:
+        name = stage.get("name") if isinstance(stage, dict) else None
+        if not isinstance(name, str) or not re.fullmatch(r"[\w.-]+", name):
+            raise ConfigError(f"config file {path}: each stage is a mapping with a plain `name` (letters, digits, "
+                              f"`_.-`) and the sections it changes, got {stage!r}")
+        if name in (n for n, _ in out):
+            raise ConfigError(f"config file {path}: two stages are named {name!r}: give each its own name")
+        out.append((name, {k: v for k, v in stage.items() if k != "name"}))
+    return out
+
+
+def load_stages(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> list[tuple[str, Config]]:
+    """The runs a config trains, in order, as (stage name, Config). A config with `stages:` (a recipe,
+    configs/two_stage.yaml) has one per stage: defaults, the file, the stage's sections, then each override; its
+    run is `<run.name>/<stage>` (and `<run.dir>/<stage>`), and a stage after the first starts from the weights
+    its predecessor ends with (train.init_from, unless the stage sets it). Any other config is one run named
+    "". Each validated."""
+    layers = config_chain(Path(path)) if path else []
+    stages = None
+    for layer in layers:
+        if "stages" in layer:
+            stages = _stage_list(Path(path), layer.pop("stages"))
+    if stages is None:
+        cfg = _build(layers, overrides)
+        validate(cfg)
+        return [("", cfg)]
+    out: list[tuple[str, Config]] = []
+    for name, sections in stages:
+        cfg = _build([*layers, sections], overrides)
+        cfg.run.name = f"{cfg.run.name}/{name}"
+        cfg.run.dir = f"{cfg.run.dir.rstrip('/')}/{name}" if cfg.run.dir else ""
+        if out and not cfg.train.init_from:
+            before = out[-1][1]
+            # its last step checkpoint (checkpoint.step_path names it so): a path a run's config.yaml shows
+            cfg.train.init_from = str(before.run_dir / f"ckpt_{before.train.max_steps:08d}.pt")
+        validate(cfg)
+        out.append((name, cfg))
+    if len({cfg.data.dir for _, cfg in out}) > 1:
+        raise ConfigError(f"config file {path}: the stages name different data.dir values; stages share one "
+                          f"prepared data dir (a stage may reweight its sources: data.source_weights)")
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Defaults, then the YAML file, then each override in order; validated. For a recipe of stages, the last
+    stage's (the run that `eval` and `summarize` use)."""
+    return load_stages(path, overrides)[-1][1]
 
 
 def to_dict(cfg: Config) -> dict:

@@ -1,4 +1,5 @@
-"""Seed variance: train and evaluate one config with seeds 1..N (resumable), then mean ± sample std of ROUGE."""
+"""Seed variance: train and evaluate one config (each of its stages) with seeds 1..N (resumable), then mean ±
+sample std of ROUGE."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from summarizer.config.load import load_config
-from summarizer.config.schema import Config, TrainConfig
+from summarizer.config.load import load_stages
+from summarizer.config.schema import Config
 from summarizer.data.prepared import read_pairs
 from summarizer.errors import ConfigError
 from summarizer.evaluation.evaluate import evaluate
@@ -18,40 +19,38 @@ from summarizer.evaluation.scoring import ROUGE_TYPES
 from summarizer.model import checkpoint
 from summarizer.outputs import check_report_target, write_report
 from summarizer.train.loop import train
+from summarizer.train.stages import training_finished
 
 NAMES = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L"}
 # rouge.json settings that must equal the current eval config for an evaluation to be reused
 EVAL_KEYS = ("split", "beam_size", "max_len", "min_len", "length_penalty", "no_repeat_ngram")
 
 
-def seed_config(cfg: Config, seed: int) -> Config:
-    """The run of one seed: train.seed set, run name (and an explicit run.dir / eval.out_dir) suffixed."""
-    if cfg.eval.checkpoint:
-        raise ConfigError("seeds evaluates each run's own best.pt: drop eval.checkpoint "
-                          f"(now {cfg.eval.checkpoint})")
-    out = copy.deepcopy(cfg)
-    out.train.seed = seed
-    out.run.name = f"{cfg.run.name}-seed{seed}"
-    if cfg.run.dir:
-        out.run.dir = f"{cfg.run.dir.rstrip('/')}-seed{seed}"
-    if cfg.eval.out_dir:
-        out.eval.out_dir = f"{cfg.eval.out_dir.rstrip('/')}-seed{seed}"
+def _seeded(path: str, stage: str, seed: int) -> str:
+    """`name` -> `name-seed3`; a stage's `name/stage` -> `name-seed3/stage`."""
+    return f"{path[:-len(stage) - 1]}-seed{seed}/{stage}" if stage else f"{path}-seed{seed}"
+
+
+def seed_stages(stages: list[tuple[str, Config]], seed: int) -> list[tuple[str, Config]]:
+    """One seed's runs of a config's stages (`load_stages`): train.seed set in each, its run named
+    `<run.name>-seed<N>` (a stage's `<run.name>-seed<N>/<stage>`; an explicit run.dir and eval.out_dir
+    likewise), and a stage after the first starting from this seed's stage before it."""
+    out: list[tuple[str, Config]] = []
+    for name, cfg in stages:
+        if cfg.eval.checkpoint:
+            raise ConfigError("seeds evaluates each run's own best.pt: drop eval.checkpoint "
+                              f"(now {cfg.eval.checkpoint})")
+        seeded = copy.deepcopy(cfg)
+        seeded.train.seed = seed
+        seeded.run.name = _seeded(cfg.run.name, name, seed)
+        if cfg.run.dir:
+            seeded.run.dir = _seeded(cfg.run.dir.rstrip("/"), name, seed)
+        if cfg.eval.out_dir:
+            seeded.eval.out_dir = f"{cfg.eval.out_dir.rstrip('/')}-seed{seed}"
+        if out and Path(cfg.train.init_from).parent == stages[len(out) - 1][1].run_dir:
+            seeded.train.init_from = str(out[-1][1].run_dir / Path(cfg.train.init_from).name)
+        out.append((name, seeded))
     return out
-
-
-def is_finished(progress: dict, t: TrainConfig) -> bool:
-    """Training stopped for good (max_steps, max_minutes or patience), not by a signal or a crash."""
-    return (progress["step"] >= t.max_steps or (t.max_minutes > 0 and progress["elapsed_s"] >= 60 * t.max_minutes)
-            or (t.patience > 0 and progress["bad_evals"] >= t.patience))
-
-
-def training_finished(cfg: Config) -> int | None:
-    """The step a finished run stopped at, or None when it must (still) be trained."""
-    latest = checkpoint.latest_path(cfg.run_dir)
-    if latest is None:
-        return None
-    progress = checkpoint.load(latest)["progress"]
-    return progress["step"] if is_finished(progress, cfg.train) else None
 
 
 def current_evaluation(cfg: Config) -> dict | None:
@@ -76,13 +75,16 @@ def current_evaluation(cfg: Config) -> dict | None:
     return report
 
 
-def run_seed(cfg: Config) -> dict:
-    """Train (or resume, or skip when finished) one seed's run, then evaluate it unless already done."""
-    done_at = training_finished(cfg)
-    if done_at is None:
-        train(cfg)
-    else:
-        print(f"{cfg.run.name}: training finished at step {done_at}; not retrained", file=sys.stderr)
+def run_seed(stages: list[tuple[str, Config]]) -> dict:
+    """Train (or resume, or skip when finished) one seed's runs, stage by stage, then evaluate the last unless
+    already done."""
+    for _, cfg in stages:
+        done_at = training_finished(cfg)
+        if done_at is None:
+            train(cfg)
+        else:
+            print(f"{cfg.run.name}: training finished at step {done_at}; not retrained", file=sys.stderr)
+    cfg = stages[-1][1]
     report = current_evaluation(cfg)
     if report is None:
         report = evaluate(cfg)
@@ -104,21 +106,26 @@ def summarize_seeds(name: str, runs: list[dict]) -> dict:
 WRITER = "summarizer seeds"
 
 
-def run_seeds(cfg: Config, n: int) -> tuple[dict, Path]:
-    """Seeds 1..n of `cfg`; writes seeds_<run.name>.json beside the run dirs. Returns (summary, its path)."""
+def run_seeds(stages: list[tuple[str, Config]], n: int) -> tuple[dict, Path]:
+    """Seeds 1..n of a config's stages (`load_stages`); writes seeds_<run.name>.json beside the run dirs.
+    Returns (summary, its path)."""
     if n < 1:
         raise ConfigError(f"--n must be at least 1, got {n}")
-    path = seed_config(cfg, 1).run_dir.parent / f"seeds_{cfg.run.name}.json"
-    key = f"run.name (seeds_{cfg.run.name}.json beside the run dirs)"
+    stage, first = stages[0]
+    name = first.run.name[:-len(stage) - 1] if stage else first.run.name
+    seed_dir = seed_stages(stages, 1)[0][1].run_dir
+    path = (seed_dir.parent if stage else seed_dir).parent / f"seeds_{name}.json"
+    key = f"run.name (seeds_{name}.json beside the run dirs)"
     check_report_target(path, WRITER, key)  # before hours of training, not after
     runs = []
     for seed in range(1, n + 1):
-        seed_cfg = seed_config(cfg, seed)
-        report = run_seed(seed_cfg)
-        runs.append({"seed": seed, "run_dir": str(seed_cfg.run_dir),
+        seeded = seed_stages(stages, seed)
+        report = run_seed(seeded)
+        runs.append({"seed": seed, "run_dir": str(seeded[-1][1].run_dir),
                      **{kind: report[kind]["f"] for kind in ROUGE_TYPES},
                      "checkpoint_step": report["settings"]["checkpoint"]["step"]})
-    summary = summarize_seeds(cfg.run.name, runs)
+    summary = summarize_seeds(name, runs)
+    cfg = stages[-1][1]
     summary["eval"] = {key: getattr(cfg.eval, key) for key in EVAL_KEYS}
     summary["eval"]["pairs"] = report["settings"]["pairs"]
     return write_report(path, summary, WRITER, key), path
@@ -143,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cli(args: argparse.Namespace) -> int:
-    summary, path = run_seeds(load_config(args.config, args.overrides), args.n)
+    summary, path = run_seeds(load_stages(args.config, args.overrides), args.n)
     print(format_summary(summary))
     print(f"written to {path}", file=sys.stderr)
     return 0

@@ -117,9 +117,9 @@ def initial_weights(cfg: Config, meta: dict) -> dict | None:
     if not path:
         return None
     if not Path(path).is_file():
-        raise ConfigError(f"train.init_from={path} does not exist: train the run that writes it first (a config's "
-                          f"header names its stages, e.g. configs/pretrain.yaml before configs/denoise.yaml), or name "
-                          f"another checkpoint (a run's best.pt or ckpt_*.pt)")
+        raise ConfigError(f"train.init_from={path} does not exist: train the run that writes it first (a recipe's "
+                          f"`stages:` do so in order, configs/two_stage.yaml), or name another checkpoint (a run's "
+                          f"best.pt or ckpt_*.pt)")
     state = checkpoint.require_model(checkpoint.load(path), path)
     checkpoint.check_tokenizer(state["data_meta"], meta, f"train.init_from={path}")
     with torch.device("meta"):  # the parameters' shapes, without allocating or initialising a model

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import yaml
 
-from summarizer.config.load import load_config
+from summarizer.config.load import load_stages
 from summarizer.errors import ConfigError
 from summarizer.harness import seeds
 
@@ -30,7 +30,12 @@ def two_seeds(tmp_path_factory):
 
 
 def cfg_of(args, *extra):
-    return load_config(args[1], [*args[2:], *extra])
+    return load_stages(args[1], [*args[2:], *extra])
+
+
+def seed_config(stages, seed):
+    [(_, cfg)] = seeds.seed_stages(stages, seed)
+    return cfg
 
 
 def test_each_seed_is_its_own_run_and_the_summary_is_their_mean_and_std(two_seeds, capsys):
@@ -83,14 +88,8 @@ def test_only_missing_or_stale_evaluations_are_redone(two_seeds, monkeypatch):
 
 def test_an_unfinished_run_is_resumed(two_seeds):
     _, args = two_seeds
-    assert seeds.training_finished(seeds.seed_config(cfg_of(args), 1)) == 4
-    assert seeds.training_finished(seeds.seed_config(cfg_of(args, "train.max_steps=9"), 1)) is None
-    t = cfg_of(args, "train.max_minutes=1", "train.patience=2").train
-    base = {"step": 3, "elapsed_s": 10.0, "bad_evals": 0}
-    assert not seeds.is_finished(base, t)  # stopped by a signal or a kill
-    assert seeds.is_finished({**base, "elapsed_s": 60.0}, t)
-    assert seeds.is_finished({**base, "bad_evals": 2}, t)
-    assert seeds.is_finished({**base, "step": 4}, t)
+    assert seeds.training_finished(seed_config(cfg_of(args), 1)) == 4
+    assert seeds.training_finished(seed_config(cfg_of(args, "train.max_steps=9"), 1)) is None
 
 
 def test_bad_requests_are_refused_clearly(two_seeds, capsys):
@@ -99,7 +98,19 @@ def test_bad_requests_are_refused_clearly(two_seeds, capsys):
     assert main(["seeds", *args, "--n", "0"]) == 2
     assert "--n must be at least 1" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="drop eval.checkpoint"):
-        seeds.seed_config(cfg_of(args, "eval.checkpoint=x.pt"), 1)
+        seed_config(cfg_of(args, "eval.checkpoint=x.pt"), 1)
+
+
+def test_each_seed_of_a_recipe_chains_its_own_stages(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"extends": str(ROOT / "configs/tiny.yaml"), "run": {"name": "r"}, "stages": [
+        {"name": "pre", "train": {"max_steps": 6}}, {"name": "fine", "train": {"max_steps": 4}}]}))
+    (_, pre), (_, fine) = seeds.seed_stages(load_stages(path), 3)
+    assert (pre.run_dir, fine.run_dir) == (Path("checkpoints/r-seed3/pre"), Path("checkpoints/r-seed3/fine"))
+    assert pre.train.seed == fine.train.seed == 3
+    assert fine.train.init_from == "checkpoints/r-seed3/pre/ckpt_00000006.pt"
+    (_, pre), _ = seeds.seed_stages(load_stages(path, [f"run.dir={tmp_path}/x"]), 2)
+    assert pre.run_dir == tmp_path / "x-seed2" / "pre"
 
 
 def test_one_seed_has_no_std():

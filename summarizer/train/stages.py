@@ -1,0 +1,45 @@
+"""A config's runs trained in order (`config.load.load_stages`): one for most configs, one per stage for a recipe
+(configs/two_stage.yaml). A finished stage is skipped, an unfinished one resumes, so the same command carries a
+killed recipe on from the stage it was in."""
+from __future__ import annotations
+
+import sys
+
+from summarizer.config.schema import Config, TrainConfig
+from summarizer.model import checkpoint
+from summarizer.train.loop import train
+
+
+def is_finished(progress: dict, t: TrainConfig) -> bool:
+    """Training stopped for good (max_steps, max_minutes or patience), not by a signal or a crash."""
+    return (progress["step"] >= t.max_steps or (t.max_minutes > 0 and progress["elapsed_s"] >= 60 * t.max_minutes)
+            or (t.patience > 0 and progress["bad_evals"] >= t.patience))
+
+
+def training_finished(cfg: Config) -> int | None:
+    """The step a finished run stopped at, or None when it must (still) be trained."""
+    latest = checkpoint.latest_path(cfg.run_dir)
+    if latest is None:
+        return None
+    progress = checkpoint.load(latest)["progress"]
+    return progress["step"] if is_finished(progress, cfg.train) else None
+
+
+def train_stages(stages: list[tuple[str, Config]]) -> dict | None:
+    """Train each stage that is not finished yet; the summary of the last one trained (None when every stage was
+    finished before). Stops after a stage that a signal stopped, or that ended before its max_steps: the stage
+    after it starts from the weights of that step."""
+    summary = None
+    for number, (name, cfg) in enumerate(stages, start=1):
+        where = f"stage {number}/{len(stages)} ({name}, {cfg.run_dir})" if name else ""
+        done_at = training_finished(cfg) if name else None
+        if done_at is not None:
+            print(f"{where}: finished at step {done_at}", file=sys.stderr)
+            continue
+        if name:
+            print(f"{where}: training" + (f" from {cfg.train.init_from}" if cfg.train.init_from else ""),
+                  file=sys.stderr, flush=True)
+        summary = train(cfg)
+        if summary["signal"] is not None or not summary["finished"]:
+            break
+    return summary
