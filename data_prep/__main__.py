@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.if_missing and (Path(cfg.dir) / META_FILE).is_file():
             return 0
         if args.if_missing:
-            print(f"{cfg.dir} is not prepared yet: preparing it from data.source={cfg.source!r} first", flush=True)
+            source = (f"data.source={cfg.source!r}" if not isinstance(cfg.source, dict) else "the files data.source "
+                      "lists" + (f" under data.root={cfg.root}" if cfg.root else ""))
+            print(f"{cfg.dir} is not prepared yet: preparing it from {source} first", flush=True)
         prepare(cfg)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
