@@ -107,7 +107,7 @@ def _stop_when(path: Path, proc) -> tuple[int, str]:
 
 @pytest.mark.slow
 def test_a_recipe_killed_in_each_stage_resumes_in_that_stage(tiny_data, tmp_path):
-    stages = [{"name": "first", "train": {"max_steps": 300}}, {"name": "second", "train": {"max_steps": 300}}]
+    stages = [{"name": "first", "train": {"max_steps": 60}}, {"name": "second", "train": {"max_steps": 60}}]
     path, run = recipe(tmp_path, stages), tmp_path / "run"
     args = [f"data.dir={tiny_data}", f"run.dir={run}", f"run.tensorboard_dir={tmp_path}/tb", *SMALL]
 
@@ -116,22 +116,22 @@ def test_a_recipe_killed_in_each_stage_resumes_in_that_stage(tiny_data, tmp_path
 
     rc, out = _stop_when(run / "first" / "metrics.jsonl", launch())  # killed in the first stage
     assert rc == 128 + signal.SIGTERM and "stage 1/2 (first" in out, out[-2000:]
-    assert latest_step(run / "first") < 300 and not (run / "second").exists()
+    assert latest_step(run / "first") < 60 and not (run / "second").exists()
     rc, out = _stop_when(run / "second" / "metrics.jsonl", launch())  # resumed there, then killed in the second
     assert rc == 128 + signal.SIGTERM, out[-2000:]
-    assert latest_step(run / "first") == 300 and latest_step(run / "second") < 300
+    assert latest_step(run / "first") == 60 and latest_step(run / "second") < 60
     second = yaml.safe_load((run / "second" / "config.yaml").read_text())
-    assert second["train"]["init_from"] == str(run / "first" / "ckpt_00000300.pt")
-    start = torch.load(run / "first" / "ckpt_00000300.pt", map_location="cpu", weights_only=False)["model"]
+    assert second["train"]["init_from"] == str(run / "first" / "ckpt_00000060.pt")
+    start = torch.load(run / "first" / "ckpt_00000060.pt", map_location="cpu", weights_only=False)["model"]
     proc = launch()
     rc, out = proc.wait(timeout=600), proc.stdout.read().decode()
     assert rc == 0, out[-2000:]
-    assert "stage 1/2 (first" in out and "finished at step 300" in out and "stage 2/2 (second" in out
-    assert latest_step(run / "second") == 300
-    trained = torch.load(run / "second" / "ckpt_00000300.pt", map_location="cpu", weights_only=False)["model"]
+    assert "stage 1/2 (first" in out and "finished at step 60" in out and "stage 2/2 (second" in out
+    assert latest_step(run / "second") == 60
+    trained = torch.load(run / "second" / "ckpt_00000060.pt", map_location="cpu", weights_only=False)["model"]
     assert any(not torch.equal(start[k], trained[k]) for k in start)  # the second stage trained on from there
     cfg = load_stages(path, args)[1][1]
-    assert training_finished(cfg) == 300
+    assert training_finished(cfg) == 60
     proc = launch()
     rc, out = proc.wait(timeout=300), proc.stdout.read().decode()
     assert rc == 0 and "every stage of the recipe is finished" in out, out[-2000:]
