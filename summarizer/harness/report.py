@@ -121,6 +121,16 @@ def _rouge(run_dir: Path, records: list[dict]) -> dict:
     return {"rouge_from": "valid", "valid_step": best["step"], **{kind: best.get(kind) for kind in ROUGE_TYPES}}
 
 
+def _run_name(run_dir: Path) -> str | None:
+    """run.name in the run's config.yaml; None where it cannot be read."""
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    run = config.get("run") if isinstance(config, dict) else None
+    return run.get("name") if isinstance(run, dict) else None
+
+
 def run_row(run_dir: Path, recipe: dict) -> dict:
     """Everything the table shows about one run, as plain values."""
     records = _metrics(run_dir / "metrics.jsonl")
@@ -131,7 +141,9 @@ def run_row(run_dir: Path, recipe: dict) -> dict:
     if steps is None and records:
         steps = max(r["step"] for r in records)
     devices = list(dict.fromkeys(manifest.get("devices") or []))
-    return {"run": run_dir.name, "path": str(run_dir), "differs": config_diff(run_dir / "config.yaml", recipe),
+    stage = f"{run_dir.parent.name}/{run_dir.name}"  # a recipe's stage is named with its recipe's run
+    return {"run": stage if _run_name(run_dir) == stage else run_dir.name, "path": str(run_dir),
+            "differs": config_diff(run_dir / "config.yaml", recipe),
             "steps": steps, "minutes": progress["elapsed_s"] / 60 if "elapsed_s" in progress else None,
             "precision": manifest.get("precision"), "device": ", ".join(devices) or None,
             "world_size": manifest.get("world_size"), "commit": manifest.get("git_commit") or None,
@@ -145,8 +157,14 @@ def _train_flops(records: list[dict]) -> float | None:
     return float(sum(logged)) if logged else None
 
 
+def _stage_dirs(path: Path) -> list[Path]:
+    """The run dirs of a recipe's stages (`<run.name>/<stage>`) when `path` is that recipe's dir, else []."""
+    return sorted(p for p in path.iterdir() if (p / "config.yaml").is_file()) if path.is_dir() else []
+
+
 def find_run_dirs(dirs: list[str], root: Path) -> list[Path]:
-    """The given dirs, or every dir under `root`; those without a config.yaml are skipped with a note."""
+    """The given dirs, or every dir under `root`, a recipe's dir standing for its stages' run dirs; those
+    without a config.yaml are skipped with a note."""
     if dirs:
         candidates = [Path(d) for d in dirs]
     elif not root.is_dir():
@@ -158,6 +176,8 @@ def find_run_dirs(dirs: list[str], root: Path) -> list[Path]:
     for path in candidates:
         if (path / "config.yaml").is_file():
             runs.append(path)
+        elif _stage_dirs(path):
+            runs += _stage_dirs(path)
         else:
             why = "does not exist" if not path.exists() else "is not a run dir (no config.yaml)"
             print(f"note: skipped {path}: {why}", file=sys.stderr)

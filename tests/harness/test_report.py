@@ -103,3 +103,13 @@ def test_a_config_this_code_no_longer_reads_is_diffed_as_written(runs, tmp_path,
     assert row["steps"] is None and row["rouge_from"] is None
     (old / "config.yaml").write_text("train: [\n")
     assert collect([str(old)])[0]["differs"] == ["(config.yaml unreadable)"]
+
+
+def test_a_recipes_stages_are_rows_named_with_their_recipe(tmp_path):
+    make_run(tmp_path, "plain", [], [30.0], False)
+    make_run(tmp_path, "two_stage/pretrain", ["train.select_by=loss"], [], False)
+    make_run(tmp_path, "two_stage/finetune", [], [31.0], True)
+    rows = collect([], tmp_path, BASE)
+    assert [r["run"] for r in rows] == ["plain", "two_stage/finetune", "two_stage/pretrain"]
+    assert [r["run"] for r in collect([str(tmp_path / "two_stage")], tmp_path, BASE)] == [
+        "two_stage/finetune", "two_stage/pretrain"]
