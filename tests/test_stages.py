@@ -12,7 +12,7 @@ import yaml
 from summarizer.config.load import load_config, load_stages
 from summarizer.errors import ConfigError
 from summarizer.model import checkpoint
-from summarizer.train.stages import is_finished, training_finished
+from summarizer.train.stages import is_finished, resolve_start, training_finished
 from tests.processes import ROOT, train_process, wait_for
 
 SMALL = ["model.d_model=32", "model.n_heads=4", "model.encoder_layers=1", "model.decoder_layers=1",
@@ -88,6 +88,18 @@ def test_finished_means_stopped_for_good():
     assert is_finished({**base, "elapsed_s": 60.0}, t)
     assert is_finished({**base, "bad_evals": 2}, t)
     assert is_finished({**base, "step": 4}, t)
+
+
+def test_a_stage_after_one_that_ended_early_starts_from_its_last_checkpoint(tmp_path):
+    (_, first), (_, second) = load_stages(recipe(tmp_path), [f"run.dir={tmp_path}/r"])
+    resolve_start(first, second)  # nothing trained yet: the path stays, and training it says it is missing
+    assert second.train.init_from == str(first.run_dir / "ckpt_00000006.pt")
+    checkpoint.save_step({"step": 3, "progress": {}, "model": {}}, first.run_dir, 2)  # stopped early at step 3
+    resolve_start(first, second)
+    assert second.train.init_from == str(first.run_dir / "ckpt_00000003.pt")
+    second.train.init_from = "elsewhere/best.pt"  # a start the stage names itself is left alone
+    resolve_start(first, second)
+    assert second.train.init_from == "elsewhere/best.pt"
 
 
 def latest_step(run_dir) -> int:

@@ -4,6 +4,7 @@ killed recipe on from the stage it was in."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from summarizer.config.schema import Config, TrainConfig
 from summarizer.model import checkpoint
@@ -25,10 +26,20 @@ def training_finished(cfg: Config) -> int | None:
     return progress["step"] if is_finished(progress, cfg.train) else None
 
 
+def resolve_start(before: Config | None, cfg: Config) -> None:
+    """A stage whose predecessor ended before its max_steps (time limit, early stopping) starts from that
+    stage's last step checkpoint instead of the one at max_steps that `load_stages` named."""
+    named = Path(cfg.train.init_from)
+    if before is None or named.is_file() or named.parent != before.run_dir:
+        return
+    latest = checkpoint.latest_path(before.run_dir)
+    if latest is not None:
+        cfg.train.init_from = str(latest)
+
+
 def train_stages(stages: list[tuple[str, Config]]) -> dict | None:
     """Train each stage that is not finished yet; the summary of the last one trained (None when every stage was
-    finished before). Stops after a stage that a signal stopped, or that ended before its max_steps: the stage
-    after it starts from the weights of that step."""
+    finished before). Stops after a stage that did not finish (a stop signal): the same command resumes it."""
     summary = None
     for number, (name, cfg) in enumerate(stages, start=1):
         where = f"stage {number}/{len(stages)} ({name}, {cfg.run_dir})" if name else ""
@@ -36,10 +47,11 @@ def train_stages(stages: list[tuple[str, Config]]) -> dict | None:
         if done_at is not None:
             print(f"{where}: finished at step {done_at}", file=sys.stderr)
             continue
+        resolve_start(stages[number - 2][1] if number > 1 else None, cfg)
         if name:
             print(f"{where}: training" + (f" from {cfg.train.init_from}" if cfg.train.init_from else ""),
                   file=sys.stderr, flush=True)
         summary = train(cfg)
-        if summary["signal"] is not None or not summary["finished"]:
+        if summary["signal"] is not None or not training_finished(cfg):
             break
     return summary
