@@ -47,9 +47,11 @@ def run(args: argparse.Namespace) -> int:
         return importlib.import_module(HARNESS[args.command][0]).cli(args)
     if args.command == "train":
         from summarizer.train.stages import train_stages
-        summary = train_stages(load_stages(args.config, args.overrides))
+        stages = load_stages(args.config, args.overrides)
+        summary = train_stages(stages)
         if summary is None:
-            print("every stage of the recipe is finished: `make eval` scores the last one's best.pt")
+            print(f"{'every stage of the recipe is' if len(stages) > 1 else 'the run is'} finished: nothing to "
+                  f"train (raise train.max_steps to train on); `make eval` scores best.pt")
             return 0
         best = summary["best"]
         best = "n/a" if best is None else f"{best['metric']} {best['value']:.4g}"

@@ -176,8 +176,8 @@ def find_run_dirs(dirs: list[str], root: Path) -> list[Path]:
     for path in candidates:
         if (path / "config.yaml").is_file():
             runs.append(path)
-        elif _stage_dirs(path):
-            runs += _stage_dirs(path)
+        elif stage_dirs := _stage_dirs(path):
+            runs += stage_dirs
         else:
             why = "does not exist" if not path.exists() else "is not a run dir (no config.yaml)"
             print(f"note: skipped {path}: {why}", file=sys.stderr)

@@ -18,8 +18,7 @@ from summarizer.evaluation.evaluate import evaluate
 from summarizer.evaluation.scoring import ROUGE_TYPES
 from summarizer.model import checkpoint
 from summarizer.outputs import check_report_target, write_report
-from summarizer.train.loop import train
-from summarizer.train.stages import resolve_start, training_finished
+from summarizer.train.stages import train_stages
 
 NAMES = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L"}
 # rouge.json settings that must equal the current eval config for an evaluation to be reused
@@ -78,13 +77,7 @@ def current_evaluation(cfg: Config) -> dict | None:
 def run_seed(stages: list[tuple[str, Config]]) -> dict:
     """Train (or resume, or skip when finished) one seed's runs, stage by stage, then evaluate the last unless
     already done."""
-    for number, (_, cfg) in enumerate(stages):
-        done_at = training_finished(cfg)
-        if done_at is None:
-            resolve_start(stages[number - 1][1] if number else None, cfg)
-            train(cfg)
-        else:
-            print(f"{cfg.run.name}: training finished at step {done_at}; not retrained", file=sys.stderr)
+    train_stages(stages)
     cfg = stages[-1][1]
     report = current_evaluation(cfg)
     if report is None:

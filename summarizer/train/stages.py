@@ -38,12 +38,12 @@ def resolve_start(before: Config | None, cfg: Config) -> None:
 
 
 def train_stages(stages: list[tuple[str, Config]]) -> dict | None:
-    """Train each stage that is not finished yet; the summary of the last one trained (None when every stage was
-    finished before). Stops after a stage that did not finish (a stop signal): the same command resumes it."""
+    """Train each run that is not finished yet; the summary of the last one trained (None when every one was
+    finished before). Stops after a run that a stop signal cut short: the same command resumes it."""
     summary = None
     for number, (name, cfg) in enumerate(stages, start=1):
-        where = f"stage {number}/{len(stages)} ({name}, {cfg.run_dir})" if name else ""
-        done_at = training_finished(cfg) if name else None
+        where = f"stage {number}/{len(stages)} ({name}, {cfg.run_dir})" if name else str(cfg.run_dir)
+        done_at = training_finished(cfg)
         if done_at is not None:
             print(f"{where}: finished at step {done_at}", file=sys.stderr)
             continue
@@ -52,6 +52,6 @@ def train_stages(stages: list[tuple[str, Config]]) -> dict | None:
             print(f"{where}: training" + (f" from {cfg.train.init_from}" if cfg.train.init_from else ""),
                   file=sys.stderr, flush=True)
         summary = train(cfg)
-        if summary["signal"] is not None or not training_finished(cfg):
+        if summary["signal"] is not None:  # any other end is for good (max_steps, time limit, early stopping)
             break
     return summary

@@ -8,6 +8,7 @@ import yaml
 from summarizer.config.load import load_stages
 from summarizer.errors import ConfigError
 from summarizer.harness import seeds
+from summarizer.train import stages as stage_runner
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.d_model=32", "model.ffn_dim=64", "model.encoder_layers=1", "model.decoder_layers=1",
@@ -62,7 +63,7 @@ def test_a_rerun_redoes_nothing_finished(two_seeds, monkeypatch):
 
     def refuse(cfg):
         raise AssertionError(f"{cfg.run.name} was redone")
-    monkeypatch.setattr(seeds, "train", refuse)
+    monkeypatch.setattr(stage_runner, "train", refuse)
     monkeypatch.setattr(seeds, "evaluate", refuse)
     summary, path = seeds.run_seeds(cfg_of(args), 2)
     assert path == tmp / "seeds_tiny.json" and summary == before
@@ -76,7 +77,7 @@ def test_only_missing_or_stale_evaluations_are_redone(two_seeds, monkeypatch):
         calls.append(cfg.run.name)
         return real(cfg)
     real = seeds.evaluate
-    monkeypatch.setattr(seeds, "train", lambda cfg: pytest.fail("training finished; must not resume"))
+    monkeypatch.setattr(stage_runner, "train", lambda cfg: pytest.fail("training finished; must not resume"))
     monkeypatch.setattr(seeds, "evaluate", counted)
     (tmp / "run-seed2" / "rouge.json").unlink()
     seeds.run_seeds(cfg_of(args), 2)
@@ -88,8 +89,8 @@ def test_only_missing_or_stale_evaluations_are_redone(two_seeds, monkeypatch):
 
 def test_an_unfinished_run_is_resumed(two_seeds):
     _, args = two_seeds
-    assert seeds.training_finished(seed_config(cfg_of(args), 1)) == 4
-    assert seeds.training_finished(seed_config(cfg_of(args, "train.max_steps=9"), 1)) is None
+    assert stage_runner.training_finished(seed_config(cfg_of(args), 1)) == 4
+    assert stage_runner.training_finished(seed_config(cfg_of(args, "train.max_steps=9"), 1)) is None
 
 
 def test_bad_requests_are_refused_clearly(two_seeds, capsys):
@@ -124,7 +125,8 @@ def test_a_users_file_where_the_summary_goes_is_refused_before_any_training(tmp_
     cfg = cfg_of(["--config", str(ROOT / "configs/tiny.yaml"), f"run.dir={tmp_path / 'run'}"])
     mine = tmp_path / "seeds_tiny.json"
     mine.write_text('{"my": "notes"}')
-    monkeypatch.setattr(seeds, "train", lambda cfg: pytest.fail("trained before checking where the summary goes"))
+    monkeypatch.setattr(stage_runner, "train",
+                        lambda cfg: pytest.fail("trained before checking where the summary goes"))
     with pytest.raises(ConfigError, match="was not written by `summarizer seeds`"):
         seeds.run_seeds(cfg, 2)
     assert mine.read_text() == '{"my": "notes"}'
