@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         summary = train_stages(stages)
         if summary is None:
             print(f"{'every stage of the recipe is' if len(stages) > 1 else 'the run is'} finished: nothing to "
-                  f"train (raise train.max_steps to train on); `make eval` scores best.pt")
+                  f"train; `make eval` scores best.pt")
             return 0
         best = summary["best"]
         best = "n/a" if best is None else f"{best['metric']} {best['value']:.4g}"
