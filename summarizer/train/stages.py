@@ -49,8 +49,9 @@ def train_stages(stages: list[tuple[str, Config]]) -> dict | None:
             continue
         resolve_start(stages[number - 2][1] if number > 1 else None, cfg)
         if name:
-            print(f"{where}: training" + (f" from {cfg.train.init_from}" if cfg.train.init_from else ""),
-                  file=sys.stderr, flush=True)
+            start = ("resuming" if checkpoint.latest_path(cfg.run_dir) is not None
+                     else f"training from {cfg.train.init_from}" if cfg.train.init_from else "training")
+            print(f"{where}: {start}", file=sys.stderr, flush=True)
         summary = train(cfg)
         if summary["signal"] is not None:  # any other end is for good (max_steps, time limit, early stopping)
             break
