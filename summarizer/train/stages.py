@@ -19,10 +19,10 @@ def is_finished(progress: dict, t: TrainConfig) -> bool:
 
 def training_finished(cfg: Config) -> int | None:
     """The step a finished run stopped at, or None when it must (still) be trained."""
-    latest = checkpoint.latest_path(cfg.run_dir)
-    if latest is None:
+    found = checkpoint.load_latest(cfg.run_dir)  # the newest readable one, as a resume reads it
+    if found is None:
         return None
-    progress = checkpoint.load(latest)["progress"]
+    progress = found[0]["progress"]
     return progress["step"] if is_finished(progress, cfg.train) else None
 
 
