@@ -11,7 +11,8 @@ from summarizer.data.prepared import open_tokenizer, training_words
 from summarizer.data.tokenizer import EOS, PAD, UNK
 from summarizer.decode.constraints import Lexicon
 from summarizer.decode.quantize import decoding_form
-from summarizer.decode.search import _block_repeats, beam_search, greedy
+from summarizer.decode.rules import _block_repeats
+from summarizer.decode.search import beam_search, greedy
 from summarizer.model.transformer import Seq2Seq
 from summarizer.runtime import Runtime
 
@@ -267,10 +268,21 @@ def test_batches_decoded_in_parallel_give_the_same_outputs_in_input_order(model)
         assert torch.get_num_threads() == threads
 
 
+def test_decoding_batches_are_sized_for_the_device():
+    """eval.batch_tokens=0: 16,384 padded source tokens x beam where a CPU decodes, 131,072 where a GPU does (a
+    step costs its kernel launches there, whatever its rows); a set value is used as it is, on either."""
+    from summarizer.decode.search import decode_batch_tokens
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for encoder, decoder, expected in ((cpu, cpu, 16_384), (cuda, cuda, 131_072), (cuda, cpu, 131_072)):
+        rt = Runtime(encoder, decoder, "fp32")
+        assert decode_batch_tokens(EvalConfig(), rt) == expected
+        assert decode_batch_tokens(EvalConfig(batch_tokens=500), rt) == 500
+
+
 def test_minimum_length_never_exceeds_the_source():
     """eval.min_len holds a summary back from ending, but never past its own source's length: a three-piece
     input is not made into an eight-piece headline."""
-    from summarizer.decode.search import Rules
+    from summarizer.decode.rules import Rules
     src = torch.tensor([[5, 6, 7, 0, 0, 0, 0, 0, 0, 0], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]])
     rules = Rules(src, 2, settings(min_len=8), None)
     for step, ends in ((2, [False] * 4), (3, [True, True, False, False]), (8, [True] * 4)):

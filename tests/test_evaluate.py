@@ -265,9 +265,11 @@ def test_default_decoding_on_either_kind_of_cpu_is_fp32_with_int8_layers(trained
     assert decoding_precision(load_config(None, ["system.device=cpu"])) == "fp32"
     assert decoding_precision(load_config(None, ["system.device=cpu", "eval.precision=bf16"])) == "bf16"
     assert decoding_precision(load_config(None, ["system.device=cpu", "eval.quantize=none"])) == "auto"
-    with monkeypatch.context() as gpu:  # the GPU branch, taken on any machine: auto stays auto (16-bit where fast)
+    with monkeypatch.context() as gpu:  # the GPU branch, taken on any machine: fp32 (TF32), int8 or not
         gpu.setattr(runtime, "resolve_device", lambda name: torch.device("cuda"))
-        assert decoding_precision(load_config(None)) == "auto"
+        assert decoding_precision(load_config(None)) == "fp32"
+        assert decoding_precision(load_config(None, ["eval.quantize=none"])) == "fp32"
+        assert decoding_precision(load_config(None, ["eval.precision=bf16", "eval.quantize=none"])) == "bf16"
     tmp, args = trained_tiny
     out = tmp / f"default_{host_bf16}"
     assert main(["eval", *args, f"eval.out_dir={out}"]) == 0

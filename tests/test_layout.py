@@ -22,7 +22,7 @@ LAYERS = (
     ("bench", "harness", "__main__"),  # the tools and the CLI
 )
 TOOLS = ("bench", "harness")  # rooms the core may not import
-SEARCHES = {"greedy", "beam_search", "decode_batch"}  # search loops: only decode/search.py runs its own
+SEARCHES = {"greedy", "beam_search", "static_search", "decode_batch"}  # only decode/search.py calls these
 MODEL_BUILDERS = ("train/session.py", "model/checkpoint.py")  # the two places a Seq2Seq is built
 PURE = ("model/transformer.py", "model/dropout.py")  # the model's math: no device, precision or distributed code
 # Names the model may not use: any holding one of these parts, in any case (is_autocast_enabled,
@@ -238,6 +238,8 @@ TESTED_BY = {
     "runtime/placement.py": ["test_runtime.py", "test_distributed.py"],
     "decode/search.py": ["test_decoding.py"],
     "decode/constraints.py": ["test_decoding.py"],
+    "decode/rules.py": ["test_decoding.py"],
+    "decode/static.py": ["test_static_decoding.py"],
     "decode/lexicon.py": ["test_decoding.py"],
     "decode/quantize.py": ["test_decoding.py", "test_evaluate.py"],
     "decode/readable.py": ["test_readable.py"],

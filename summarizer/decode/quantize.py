@@ -37,11 +37,15 @@ def decoding_precision(cfg: Config) -> str:
     activations, so eval.quantize=int8 decodes in fp32 where eval.precision is auto and is refused beside a
     16-bit eval.precision. With both at auto, a CPU decodes in fp32 with int8 layers, even one with fast bf16:
     there int8 decodes the recipe 1.05-1.15x faster than bf16, with the same ROUGE (docs/results.md, "Decoding
-    speed")."""
+    speed"). On a GPU `auto` decodes in fp32 (TF32 matmuls): a decoding step multiplies a few thousand rows at
+    most and waits on kernel launches, not arithmetic, and on an H100 beam-4 decoding ran 6x faster in fp32
+    than in bf16 (docs/results.md, "On a GPU"); `scripts/gpu_check.sh` measures both."""
     e = cfg.eval
-    if e.precision == "auto" and e.quantize == "auto":
+    if e.precision == "auto":
         device = runtime.resolve_device(cfg.placement.decoder_device or cfg.system.device)
-        return "fp32" if device.type == "cpu" else "auto"
+        if device.type == "cuda" or e.quantize != "none":
+            return "fp32"
+        return "auto"
     if e.quantize != "int8":
         return e.precision
     if e.precision in ("bf16", "fp16"):

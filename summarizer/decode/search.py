@@ -19,78 +19,11 @@ from tqdm import tqdm
 from summarizer import runtime
 from summarizer.config.schema import EvalConfig
 from summarizer.data.batches import pad_sources
-from summarizer.data.tokenizer import BOS, EOS, PAD, UNK
-from summarizer.decode.constraints import Lexicon, WordRules
-
-
-def _block_repeats(log_probs: Tensor, prefixes: Tensor, n: int) -> Tensor:
-    """Forbid tokens that would repeat an n-gram already in each prefix. (N, V) scores, (N, L) prefixes."""
-    length = prefixes.shape[1]
-    if n <= 0 or length < n:
-        return log_probs
-    # Every n-gram of each prefix as a row; the (n-1)-gram that ends the prefix picks the banned tokens.
-    grams = prefixes.unfold(1, n, 1)  # (N, L-n+1, n)
-    tail = prefixes[:, length - n + 1:]  # (N, n-1)
-    hits = (grams[:, :, :-1] == tail[:, None, :]).all(dim=-1)  # (N, L-n+1)
-    rows, cols = hits.nonzero(as_tuple=True)
-    if rows.numel():
-        log_probs[rows, grams[rows, cols, -1]] = float("-inf")
-    return log_probs
-
-
-class Rules:
-    """What both searches forbid at each step, for the rows of one batch: PAD and BOS always; EOS before
-    `min_len` tokens or the source's own length, whichever is shorter (and, with `min_bytes`, before the
-    summary fills that many bytes); anything but EOS at `max_len`; a repeated piece n-gram; and, with
-    `words`, pieces that would spell an unknown or a repeated word (summarizer/decode/constraints.py). Rows
-    follow their beams via `advance` and `select`."""
-
-    def __init__(self, src_ids: Tensor, group: int, settings: EvalConfig, lexicon: Lexicon | None):
-        self.s, self.lexicon = settings, lexicon
-        self.min_bytes = settings.truncate_bytes if lexicon is not None else 0
-        self.bytes = torch.zeros(src_ids.shape[0] * group, device=src_ids.device)  # (R,) UTF-8 bytes so far
-        # (R,) the fewest tokens before EOS: min_len, but never more than the row's own source has.
-        self.min_len = (src_ids != PAD).sum(dim=1).clamp(max=settings.min_len).repeat_interleave(group)
-        self.words = None
-        if lexicon is not None and (settings.known_words or settings.no_repeat_words):
-            self.words = WordRules(lexicon, [row[row != PAD].tolist() for row in src_ids.cpu()], group,
-                                   settings.known_words, settings.no_repeat_words, src_ids.device)
-
-    def apply(self, log_probs: Tensor, step: int, prefixes: Tensor) -> Tensor:
-        """(R, V) scores of the next token (the step's own tensor), every forbidden token set to -inf in place."""
-        log_probs[:, [PAD, BOS]] = float("-inf")
-        if self.words is not None:
-            self.words.mask(log_probs)
-        short = self.bytes < self.min_bytes + 1  # the first piece's word-start space is not written
-        if step < self.s.min_len:
-            log_probs[step < self.min_len, EOS] = float("-inf")
-        elif self.min_bytes and bool(short.any()):
-            log_probs[short, EOS] = float("-inf")
-        if step >= self.s.max_len:
-            eos = log_probs[:, EOS].clone()
-            log_probs.fill_(float("-inf"))
-            log_probs[:, EOS] = torch.where(torch.isinf(eos), torch.zeros_like(eos), eos)  # always allowed here
-        return _block_repeats(log_probs, prefixes, self.s.no_repeat_ngram)
-
-    def advance(self, parents: Tensor, tokens: Tensor, group: int | None = None) -> None:
-        """Row i now continues row parents[i] with tokens[i]; `group` rows per sentence from now on if given."""
-        self.bytes, self.min_len = self.bytes[parents], self.min_len[parents]
-        if self.lexicon is not None:
-            self.bytes += self.lexicon.piece_bytes.to(tokens.device)[tokens]
-        if self.words is not None:
-            self.words.advance(parents, tokens, group)
-
-    def finish(self, row: int, hyp: list[int]) -> list[int]:
-        """Row `row` ends with `hyp`: without the word it is spelling if that word may not end (only
-        `max_len` cuts a word short)."""
-        if self.words is None:
-            return hyp
-        return self.words.finish(row, hyp)
-
-    def select(self, rows: Tensor, sentences: Tensor) -> None:
-        self.bytes, self.min_len = self.bytes[rows], self.min_len[rows]
-        if self.words is not None:
-            self.words.select(rows, sentences)
+from summarizer.data.tokenizer import BOS, EOS, UNK
+from summarizer.decode.constraints import Lexicon
+from summarizer.decode.rules import Rules, finalise
+from summarizer.decode.static import static_search
+from summarizer.model.transformer import Seq2Seq
 
 
 def _step(model, prefixes: Tensor, memory: Tensor, src_ids: Tensor, state, group: int) -> Tensor:
@@ -160,7 +93,7 @@ def beam_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon |
         beam, token = top_index // vocab, top_index % vocab
         is_eos = (token == EOS) & torch.isfinite(top_scores)
         parents = torch.arange(n, device=device)[:, None] * width + beam  # (n, 2K) the row each extends
-        _finalise(finished, alive, prefixes, top_scores, parents, is_eos, k, settings.length_penalty, rules)
+        finalise(finished, alive, prefixes, top_scores, parents, is_eos, k, settings.length_penalty, rules)
         # The K best non-EOS candidates continue.
         live = ~is_eos
         chosen = live & (live.cumsum(dim=1) <= k)
@@ -183,24 +116,20 @@ def beam_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon |
     return [max(f, key=lambda item: item[0])[1] if f else [] for f in finished]
 
 
-def _finalise(finished: list, alive: Tensor, prefixes: Tensor, top_scores: Tensor, parents: Tensor,
-              is_eos: Tensor, k: int, length_penalty: float, rules: Rules) -> None:
-    """Move the EOS candidates ranked within the top K into their sentence's finished list (at most K)."""
-    ranked = is_eos & (torch.arange(is_eos.shape[1], device=is_eos.device) < k)
-    rows, cols = ranked.nonzero(as_tuple=True)
-    if not rows.numel():
-        return
-    ended = parents[rows, cols]
-    hyps = prefixes[ended, 1:].tolist()
-    for b, parent, score, hyp in zip(alive[rows].tolist(), ended.tolist(), top_scores[rows, cols].tolist(), hyps,
-                                     strict=True):
-        if len(finished[b]) < k:  # the score counts the length as searched, before any cut word
-            finished[b].append((score / (len(hyp) + 1) ** length_penalty, rules.finish(parent, hyp)))
+def static_shapes(settings: EvalConfig, rt: runtime.Runtime, model) -> bool:
+    """Whether batches decode with static shapes (summarizer/decode/static.py): `eval.shapes`; `auto` where
+    one GPU decodes the whole model (its step then replays as a CUDA graph), not on a CPU (nothing to replay there,
+    and finished sentences leaving the batch save work) nor a model split over devices."""
+    if settings.shapes != "auto":
+        return settings.shapes == "static"
+    return rt.device == rt.decoder_device and rt.device.type == "cuda" and isinstance(model, Seq2Seq)
 
 
 def decode_batch(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon | None = None,
-                 use_cache: bool = True) -> list[list[int]]:
-    """Greedy for beam 1 (cheaper bookkeeping), beam search otherwise."""
+                 use_cache: bool = True, static: bool = False) -> list[list[int]]:
+    """Greedy for beam 1 (cheaper bookkeeping), beam search otherwise; both in static shapes if `static`."""
+    if static:
+        return static_search(model, src_ids, settings, lexicon)
     search = greedy if settings.beam_size == 1 else beam_search
     return search(model, src_ids, settings, lexicon, use_cache)
 
@@ -223,11 +152,18 @@ def decode_threads(settings: EvalConfig, rt: runtime.Runtime) -> int:
     return torch.get_num_threads() if "cpu" in (rt.device.type, rt.decoder_device.type) else 1
 
 
+def decode_batch_tokens(settings: EvalConfig, rt: runtime.Runtime) -> int:
+    """Padded source tokens x beam_size per batch: `eval.batch_tokens`, else 16,384 on CPU, 131,072 on a GPU."""
+    if settings.batch_tokens:
+        return settings.batch_tokens
+    return 131_072 if "cuda" in (rt.device.type, rt.decoder_device.type) else 16_384
+
+
 def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt: runtime.Runtime,
                desc: str = "", lexicon: Lexicon | None = None, use_cache: bool = True) -> list[list[int]]:
     """Source id sequences -> hypothesis id lists, in input order, decoded as `settings` (the eval section) says.
 
-    Sources are sorted by length and cut into batches of `settings.batch_tokens` padded source tokens,
+    Sources are sorted by length and cut into batches of `decode_batch_tokens` padded source tokens,
     counted once per beam, decoded with dropout off and under inference_mode (so no RNG stream is drawn
     from), and put back in input order. On CPU, `decode_threads` batches decode at once, each on one core
     (CTranslate2's inter_threads): at decoding's few rows per matmul one core per batch beats two cores on
@@ -239,14 +175,15 @@ def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt
     if lexicon is None and (settings.known_words or settings.no_repeat_words or settings.truncate_bytes):
         raise ValueError("eval.known_words, no_repeat_words and truncate_bytes need the run's lexicon")
     model = runtime.unwrap(model)
+    static = use_cache and static_shapes(settings, rt, model)
     hyps: list = [None] * len(sources)
     # Each sentence is beam_size rows of the decoder: the budget counts its source tokens once per row.
-    batches = length_batches([len(s) for s in sources], max(1, settings.batch_tokens // settings.beam_size))
+    batches = length_batches([len(s) for s in sources], max(1, decode_batch_tokens(settings, rt) // settings.beam_size))
 
     def decode(idx: list[int]) -> tuple[list[int], list[list[int]]]:
         src = runtime.move(pad_sources([sources[i] for i in idx]), rt.device)
         with torch.inference_mode(), rt.compute():  # both are thread-local: entered in the thread that decodes
-            return idx, decode_batch(model, src, settings, lexicon, use_cache)
+            return idx, decode_batch(model, src, settings, lexicon, use_cache, static)
 
     threads, intra_op = min(decode_threads(settings, rt), len(batches)), torch.get_num_threads()
     pool = ThreadPoolExecutor(threads) if threads > 1 else None

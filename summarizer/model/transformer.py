@@ -38,6 +38,11 @@ class DecodeState:
     # (D, V) the tied output projection, transposed once: at decoding's few rows a contiguous (D, V)
     # operand makes the largest matmul of the step 1.15-1.5x faster than F.linear's (V, D) one.
     output_weight: Tensor | None = None
+    # A fixed-size cache (static shapes, summarizer/decode/static.py): self_kv holds `capacity` positions per row
+    # from the start, and a step writes its one position `position` ((1,) int64, on the device) in place, so every
+    # step has the same shapes and reads no Python int. 0: the cache grows by one position a step.
+    capacity: int = 0
+    position: Tensor | None = None
 
 
 class DecoderOutput(NamedTuple):
@@ -166,19 +171,26 @@ class DecoderLayer(nn.Module):
         self.drop = Dropout(cfg.dropout, cfg.fast_dropout)
 
     def forward(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor,
-                past_kv: tuple[Tensor, Tensor] | None = None, group: int = 1) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+                past_kv: tuple[Tensor, Tensor] | None = None, group: int = 1, position: Tensor | None = None,
+                self_mask: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """(R, T, D) -> (R, T, D), and this layer's self-attention keys/values so far (the KV cache).
 
         R = B * group rows: `group` consecutive rows (a sentence's beams) share one source, whose
         memory keys/values (B, H, S, D/H) they query together, as group * T queries: no copies per beam.
+        With `position` (a fixed-size cache, T = 1), the new keys/values are written into `past_kv` there and
+        the whole cache is attended, `self_mask` (1, 1, 1, capacity) hiding the positions not decoded yet.
         """
         h = self.norm1(x)
         k, v = self.self_attn.project_kv(h)  # (R, H, T_new, D/H)
-        if past_kv is not None:
+        if position is not None:
+            past_kv[0].index_copy_(2, position, k)
+            past_kv[1].index_copy_(2, position, v)
+            k, v = past_kv
+        elif past_kv is not None:
             k, v = torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2)  # (R, H, T_past + T_new, D/H)
         # Causal masking is only needed when several new positions are decoded at once; a single
         # new position may see the whole (cached) past.
-        x = x + self.drop(self.self_attn(h, k, v, is_causal=x.shape[1] > 1))
+        x = x + self.drop(self.self_attn(h, k, v, mask=self_mask, is_causal=x.shape[1] > 1))
         r, t, d = x.shape
         cross = self.cross_attn(self.norm2(x).reshape(r // group, group * t, d), *memory_kv, mask=src_mask)
         x = x + self.drop(cross.reshape(r, t, d))
@@ -223,10 +235,15 @@ class Seq2Seq(nn.Module):
             self.embedding.weight[PAD_ID].zero_()
 
     # -- encoder ---------------------------------------------------------------------------
-    def embed(self, ids: Tensor, offset: int = 0) -> Tensor:
-        """(B, N) ids -> (B, N, D) scaled embeddings plus positions offset..offset+N."""
+    def embed(self, ids: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """(B, N) ids -> (B, N, D) scaled embeddings plus positions offset..offset+N (an (N,) tensor of
+        positions: those)."""
         x = self.embedding(ids) * math.sqrt(self.cfg.d_model)
-        return self.embed_drop(x + self.positions[offset:offset + ids.shape[1]].to(x.dtype))
+        if isinstance(offset, Tensor):
+            positions = self.positions.index_select(0, offset)
+        else:
+            positions = self.positions[offset:offset + ids.shape[1]]
+        return self.embed_drop(x + positions.to(x.dtype))
 
     @staticmethod
     def source_mask(src_ids: Tensor) -> Tensor:
@@ -243,13 +260,19 @@ class Seq2Seq(nn.Module):
         return self.run_encoder(self.embed(src_ids), self.source_mask(src_ids))
 
     # -- decoder ---------------------------------------------------------------------------
-    def start_decoding(self, memory: Tensor, src_ids: Tensor, group: int = 1) -> DecodeState:
+    def start_decoding(self, memory: Tensor, src_ids: Tensor, group: int = 1, capacity: int = 0) -> DecodeState:
         """What incremental decoding of `group` rows per source keeps: everything computed from the
-        memory once per sentence (cross-attention keys/values, the copy head's keys), nothing per row yet."""
+        memory once per sentence (cross-attention keys/values, the copy head's keys), nothing per row yet;
+        with `capacity`, a fixed-size cache of that many positions per row, zeros until written."""
         state = self._memory_state(memory, src_ids, group)
         # Contiguous once, rather than copied by attention's reshape at every step.
         state.memory_kv = [(k.contiguous(), v.contiguous()) for k, v in state.memory_kv]
         state.self_kv = [None] * len(self.decoder_layers)
+        if capacity:
+            b, h, _, head = state.memory_kv[0][0].shape
+            state.self_kv = [tuple(state.memory_kv[0][0].new_zeros(b * group, h, capacity, head) for _ in range(2))
+                             for _ in self.decoder_layers]
+            state.capacity, state.position = capacity, torch.zeros(1, dtype=torch.long, device=memory.device)
         if self.vocab_projection is None:  # stored as the decoder's linear layers are (quantize.decoding_form)
             dtype = self.decoder_layers[0].self_attn.q_proj.weight.dtype
             state.output_weight = self.embedding.weight.t().to(dtype).contiguous()
@@ -271,10 +294,13 @@ class Seq2Seq(nn.Module):
         """
         if state is None:
             state = self._memory_state(memory, src_ids)  # the whole prefix at once: no cache to keep
-        group, past = state.group, state.length
-        x = self.embed(tgt_in, offset=past)  # (R, T, D)
+        group, past, position, self_mask = state.group, state.length, state.position, None
+        if position is not None:  # one position of a fixed-size cache: the positions up to it are seen
+            self_mask = (torch.arange(state.capacity, device=position.device) <= position)[None, None, None, :]
+        x = self.embed(tgt_in, offset=past if position is None else position)  # (R, T, D)
         for i, layer in enumerate(self.decoder_layers):
-            x, kv = layer(x, state.memory_kv[i], state.src_mask, state.self_kv and state.self_kv[i], group)
+            x, kv = layer(x, state.memory_kv[i], state.src_mask, state.self_kv and state.self_kv[i], group, position,
+                          self_mask)
             if state.self_kv is not None:
                 state.self_kv[i] = kv
         state.length = past + tgt_in.shape[1]
@@ -311,7 +337,7 @@ class Seq2Seq(nn.Module):
         same = (src_ids[:, :, None] == src_ids[:, None, :]).float()  # (B, S, S): positions holding one id
         # Copy mass of each position's id, its other occurrences included: (R, T, S).
         mass = (out.copy_attn.reshape(r // group, group * t, s) @ same).reshape(r, t, s).mul_(1.0 - out.gate)
-        index = src_ids.repeat_interleave(group, dim=0)[:, None, :].expand(r, t, s)  # (R, T, S)
+        index = src_ids[:, None, None, :].expand(r // group, group, t, s).reshape(r, t, s)  # (R, T, S), no host sync
         log_probs.add_(out.gate.log())
         return log_probs.scatter_(2, index, torch.logaddexp(log_probs.gather(2, index), mass.log()))
 
@@ -328,8 +354,14 @@ class Seq2Seq(nn.Module):
     @staticmethod
     def reorder(state: DecodeState, rows: Tensor, group: int | None = None) -> None:
         """Beam search: row i continues the hypothesis of row rows[i] (of the same sentence); `group` rows
-        per sentence from now on if given (the first step widens one row per sentence to the beam)."""
+        per sentence from now on if given (the first step widens one row per sentence to the beam). A fixed-size
+        cache is reordered in place."""
         state.group = group or state.group
+        if state.capacity:
+            for k, v in state.self_kv:
+                k.copy_(k.index_select(0, rows))
+                v.copy_(v.index_select(0, rows))
+            return
         state.self_kv = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in state.self_kv]
 
     @staticmethod

@@ -1,0 +1,152 @@
+"""The static-shape search (summarizer/decode/static.py) returns what the eager search returns, with every rule
+on, in both attention kernels (in float32: int8 layers scale activations per batch, and a static batch keeps its
+finished rows); its step keeps one shape; `eval.shapes` picks it where it should.
+Its CUDA graph path is run by the GPU test at the end (skipped without a GPU)."""
+import dataclasses
+
+import pytest
+import torch
+
+from summarizer import runtime
+from summarizer.config.schema import EvalConfig, ModelConfig, PlacementConfig, SystemConfig
+from summarizer.decode.constraints import Lexicon
+from summarizer.decode.search import beam_search, decode_all, greedy, static_shapes
+from summarizer.decode.static import DecoderStep, static_search
+from summarizer.model.transformer import Seq2Seq, explicit_attention
+from summarizer.runtime import Runtime
+
+PLAIN = EvalConfig(max_len=12, known_words=False, no_repeat_words=False, no_repeat_ngram=0)
+
+
+def settings(**kw) -> EvalConfig:
+    return dataclasses.replace(PLAIN, **kw)
+
+
+def eager(model, src, s: EvalConfig, lexicon=None):
+    return (greedy if s.beam_size == 1 else beam_search)(model, src, s, lexicon)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = Seq2Seq(ModelConfig(d_model=32, n_heads=4, encoder_layers=1, decoder_layers=2, ffn_dim=64, dropout=0.0),
+                40).eval()
+    with torch.no_grad():  # a sharper random model: varied outputs, of varied lengths
+        m.embedding.weight.mul_(4.0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def sources():
+    torch.manual_seed(1)
+    src = torch.randint(4, 40, (7, 9))
+    src[1, 6:] = 0
+    src[3, 4:] = 0
+    src[5, 2:] = 0
+    return src
+
+
+@pytest.mark.parametrize("beam, n, min_len, max_len", [(1, 0, 1, 12), (1, 2, 3, 12), (4, 0, 1, 12), (4, 3, 2, 6),
+                                                        (6, 2, 1, 12), (3, 0, 0, 3)])
+@pytest.mark.parametrize("kernel", ["explicit", "sdpa"])
+def test_static_search_equals_the_eager_one(model, sources, beam, n, min_len, max_len, kernel):
+    s = settings(beam_size=beam, no_repeat_ngram=n, min_len=min_len, max_len=max_len)
+    with explicit_attention(kernel == "explicit"):
+        expected = eager(model, sources, s)
+        assert static_search(model, sources, s) == expected
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+@pytest.mark.parametrize("known, repeats, truncate", [(True, True, 0), (False, True, 0), (True, False, 0),
+                                                      (True, True, 40)])
+def test_static_search_equals_the_eager_one_with_word_rules(tiny_prepared, beam, known, repeats, truncate):
+    from summarizer.data.prepared import open_tokenizer, training_words
+    tokenizer = open_tokenizer(tiny_prepared)
+    lex = Lexicon(tokenizer, set(sorted(training_words(tiny_prepared))[::3]))
+    torch.manual_seed(5)
+    m = Seq2Seq(ModelConfig(d_model=32, n_heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=64, dropout=0.0),
+                tokenizer.vocab_size).eval()
+    with torch.no_grad():
+        m.embedding.weight.mul_(3.0)
+    texts = ["the government of france said monday it would cut fuel taxes .",
+             "zorblatt corp shares fell sharply on friday after a profit warning .",
+             "rain ."]
+    src = torch.nn.utils.rnn.pad_sequence([torch.tensor(tokenizer.encode(t)) for t in texts], batch_first=True)
+    s = settings(beam_size=beam, max_len=16, min_len=2, no_repeat_ngram=3, known_words=known,
+                 no_repeat_words=repeats, truncate_bytes=truncate)
+    with explicit_attention():
+        assert static_search(m, src, s, lex) == eager(m, src, s, lex)
+
+
+def test_every_step_of_a_static_decode_has_the_same_shapes(model, sources):
+    """The cache is allocated once at its full size and written in place; a step's output has one shape."""
+    state = model.start_decoding(model.encode(sources), sources, group=3, capacity=5)
+    buffers = [k.data_ptr() for k, _ in state.self_kv]
+    step = DecoderStep(model, state)
+    rows = sources.shape[0] * 3
+    shapes = set()
+    for i in range(5):
+        out = step(torch.randint(4, 40, (rows,)), torch.randperm(rows), i)
+        shapes.add(tuple(out.shape))
+    assert shapes == {(rows, 40)}
+    assert [k.data_ptr() for k, _ in state.self_kv] == buffers
+    assert all(k.shape == (rows, 4, 5, 8) for k, _ in state.self_kv)
+
+
+def test_static_shapes_are_used_where_a_gpu_decodes_the_whole_model(model):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto, on, off = (EvalConfig(shapes=v) for v in ("auto", "static", "dynamic"))
+    assert static_shapes(auto, Runtime(cuda, cuda, "fp32"), model)
+    assert not static_shapes(auto, Runtime(cpu, cpu, "fp32"), model)
+    assert not static_shapes(auto, Runtime(cuda, cpu, "fp32"), model)  # split over devices: eager
+    assert not static_shapes(auto, Runtime(cuda, cuda, "fp32"), object())  # a placed model: eager
+    assert static_shapes(on, Runtime(cpu, cpu, "fp32"), model)
+    assert not static_shapes(off, Runtime(cuda, cuda, "fp32"), model)
+
+
+def test_decode_all_with_static_shapes_returns_the_same_outputs(model):
+    torch.manual_seed(2)
+    sources = [torch.randint(4, 40, (int(n),)).tolist() for n in torch.randint(2, 12, (23,))]
+    rt = runtime.setup(SystemConfig(), PlacementConfig(), "fp32")
+    for beam in (1, 3):
+        s = settings(beam_size=beam, batch_tokens=60)
+        assert decode_all(model, sources, dataclasses.replace(s, shapes="static"), rt) == \
+            decode_all(model, sources, dataclasses.replace(s, shapes="dynamic"), rt)
+
+
+@pytest.mark.slow
+def test_eval_with_static_shapes_writes_the_same_predictions(trained_run):
+    """A trained model (summaries of many lengths: finished sentences stay in the static batch), every rule on,
+    the test split end to end, greedy and beam 4, in float32 (int8 scales activations per batch: a batch that
+    keeps finished rows has other scales)."""
+    from summarizer.__main__ import main
+    tmp, args = trained_run
+    for beam in (1, 4):
+        predictions = {}
+        for mode in ("static", "dynamic"):
+            out = tmp / f"static_{mode}_{beam}"
+            assert main(["eval", *args, f"eval.out_dir={out}", f"eval.shapes={mode}", "eval.quantize=none",
+                         f"eval.beam_size={beam}"]) == 0
+            predictions[mode] = (out / "predictions.txt").read_text().splitlines()
+        assert predictions["static"] == predictions["dynamic"]
+        assert len({len(p.split()) for p in predictions["static"]}) > 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_replay_equals_the_eager_search_on_a_gpu(model, sources):
+    """On a GPU the static search captures its step as a CUDA graph (after two eager steps) and replays it."""
+    m, src = Seq2Seq(model.cfg, 40).cuda().eval(), sources.cuda()
+    m.load_state_dict(model.state_dict())
+    captured = []
+    original = DecoderStep.__call__
+
+    def spy(self, *args):
+        out = original(self, *args)
+        captured.append(self.graph is not None)
+        return out
+
+    s = settings(beam_size=4, no_repeat_ngram=2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DecoderStep, "__call__", spy)
+        assert static_search(m, src, s) == beam_search(m, src, s)
+    assert captured[:2] == [False, False] and all(captured[2:]) and len(captured) > 3
