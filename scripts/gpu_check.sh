@@ -77,14 +77,16 @@ step 2 bench 210 "$PY" -m summarizer bench "${COMMON[@]}" run.name=gc_bench "run
   $([ "$DEV" = cuda ] && echo bench.repeats=3 bench.warmup=1 bench.steps=10 || echo bench.repeats=1 bench.warmup=0 bench.steps=2) \
   bench.find_batch_tokens=false
 
-# 3. The fp32 run's best.pt decoded on the test split: precisions at beam 4, and greedy.
-LIMIT=$([ "$DEV" = cuda ] && echo 1000 || echo 40)
+# 3. The fp32 run's best.pt decoded on the test split: the default (auto: static shapes, a CUDA graph per step),
+# the dynamic search, and bf16, at beam 4 and greedy. The report compares each one's predictions with the dynamic
+# fp32 search's (same outputs expected in fp32) and its speed with the default's.
+LIMIT=$([ "$DEV" = cuda ] && echo 0 || echo 40)
 if [ -f "$OUT/train/fp32/best.pt" ]; then
-  for e in beam4:4:fp32 beam4:4:bf16 beam4:4:auto greedy:1:auto; do
-    IFS=: read -r name beam p <<< "$e"
-    step 3 "eval ${name}_$p" 60 "$PY" -m summarizer eval "${COMMON[@]}" run.name=gc_fp32 "run.dir=$OUT/train/fp32" \
-      "eval.out_dir=$OUT/eval/${name}_$p" "eval.beam_size=$beam" "eval.precision=$p" "eval.limit=$LIMIT" \
-      eval.bootstrap_samples=200
+  for e in beam4:4:fp32:dynamic beam4:4:auto:auto beam4:4:bf16:auto greedy:1:fp32:dynamic greedy:1:auto:auto; do
+    IFS=: read -r name beam p shapes <<< "$e"
+    step 3 "eval ${name}_${p}_$shapes" 90 "$PY" -m summarizer eval "${COMMON[@]}" run.name=gc_fp32 \
+      "run.dir=$OUT/train/fp32" "eval.out_dir=$OUT/eval/${name}_${p}_$shapes" "eval.beam_size=$beam" \
+      "eval.precision=$p" "eval.shapes=$shapes" "eval.limit=$LIMIT" eval.bootstrap_samples=200
   done
 else
   skip 3 eval "no checkpoint: the fp32 training of part 1 failed"

@@ -78,19 +78,24 @@ def bench_rows(out: Path) -> tuple[list[tuple], list[str]]:
 
 
 def eval_rows(out: Path) -> list[tuple]:
-    """Part 3: decoding speed and ROUGE-1 per eval dir; beam4_P against beam4_fp32, greedy_P against beam4_P."""
-    dirs = sorted((out / "eval").glob("*"), key=lambda d: (d.name.startswith("greedy"), d.name != "beam4_fp32", d.name))
-    reports = {d.name: json.loads((d / "rouge.json").read_text()) for d in dirs if (d / "rouge.json").is_file()}
+    """Part 3: each eval dir (SEARCH_PRECISION_SHAPES) against the dynamic fp32 search of the same beam: sentences/s
+    (ratio: its speed over that one's), ROUGE-1 F, and the share of predictions equal to that one's."""
+    reports = {d.name: (json.loads((d / "rouge.json").read_text()), (d / "predictions.txt").read_text().splitlines())
+               for d in sorted((out / "eval").glob("*")) if (d / "rouge.json").is_file()}
     rows = []
-    for name, r in reports.items():
-        beam, precision = name.split("_", 1)
-        base = reports.get("beam4_fp32" if beam == "beam4" else f"beam4_{precision}", {})
+    for name, (r, predictions) in reports.items():
+        search = name.split("_", 1)[0]
+        base, base_predictions = reports.get(f"{search}_fp32_dynamic", ({}, []))
         s = r["settings"]
-        setting = f"beam {s['beam_size']}, eval.precision={precision} ({s['precision']}, quantize {s['quantize']})"
+        setting = (f"{search}, {s['precision']}, {s.get('shapes', '?')} shapes, batch {s.get('batch_tokens', '?')}"
+                   f" ({name})")
         rows.append((PARTS[3], f"{setting}: sentences/s", r["sentences_per_s"],
                      ratio(r["sentences_per_s"], base.get("sentences_per_s"))))
         rows.append((PARTS[3], f"{setting}: ROUGE-1 F", r["rouge1"]["f"],
                      ratio(r["rouge1"]["f"], base.get("rouge1", {}).get("f"))))
+        if base_predictions and len(base_predictions) == len(predictions):
+            same = sum(a == b for a, b in zip(predictions, base_predictions, strict=True)) / len(predictions)
+            rows.append((PARTS[3], f"{setting}: share of predictions equal to the dynamic fp32 search's", same, None))
     return rows
 
 

@@ -275,3 +275,4 @@ def test_default_decoding_on_either_kind_of_cpu_is_fp32_with_int8_layers(trained
     assert main(["eval", *args, f"eval.out_dir={out}"]) == 0
     settings = json.loads((out / "rouge.json").read_text())["settings"]
     assert (settings["precision"], settings["quantize"]) == ("fp32", "int8")
+    assert (settings["shapes"], settings["batch_tokens"]) == ("dynamic", 16_384)

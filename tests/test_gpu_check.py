@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+EQUAL = "share of predictions equal to the dynamic fp32 search's"
 _spec = importlib.util.spec_from_file_location("gpu_check_report", ROOT / "scripts" / "gpu_check_report.py")
 report = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(report)
@@ -24,11 +25,12 @@ def write_metrics(run_dir: Path, rates: dict, **extra) -> None:
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 3')  # torn
 
 
-def write_rouge(eval_dir: Path, beam: int, precision: str, rate: float, r1: float) -> None:
+def write_rouge(eval_dir: Path, precision: str, shapes: str, rate: float, r1: float, predictions: str) -> None:
     eval_dir.mkdir(parents=True)
     (eval_dir / "rouge.json").write_text(json.dumps({
         "rouge1": {"f": r1}, "sentences_per_s": rate,
-        "settings": {"beam_size": beam, "precision": precision, "quantize": "none"}}))
+        "settings": {"precision": precision, "quantize": "none", "shapes": shapes, "batch_tokens": 131072}}))
+    (eval_dir / "predictions.txt").write_text("".join(p + "\n" for p in predictions.split()))
 
 
 def test_report_rows_from_hand_written_runs(tmp_path):
@@ -41,9 +43,10 @@ def test_report_rows_from_hand_written_runs(tmp_path):
         {"practice": "precision_bf16", "unit": "tokens/s", "on": {"median": 900.0}, "off": {"median": 450.0},
          "ratio": 2.0},
         {"practice": "pin_memory", "skipped": "needs CUDA"}]))
-    write_rouge(out / "eval" / "beam4_fp32", 4, "fp32", 50.0, 30.0)
-    write_rouge(out / "eval" / "beam4_auto", 4, "bf16", 100.0, 30.0)
-    write_rouge(out / "eval" / "greedy_auto", 1, "bf16", 400.0, 27.0)
+    write_rouge(out / "eval" / "beam4_fp32_dynamic", "fp32", "dynamic", 50.0, 30.0, "a b c d")
+    write_rouge(out / "eval" / "beam4_auto_auto", "fp32", "static", 100.0, 30.0, "a b c d")
+    write_rouge(out / "eval" / "greedy_auto_auto", "fp32", "static", 400.0, 27.0, "a x c y")
+    write_rouge(out / "eval" / "greedy_fp32_dynamic", "fp32", "dynamic", 200.0, 27.0, "a b c d")
     write_metrics(out / "placement" / "enc-cuda0_dec-cpu", {30: 100, 60: 150, 90: 200})
     write_metrics(out / "gigaword" / "fp32", {50: 1000, 100: 2000, 150: 2000}, mfu=0.3, peak_memory_mb=8000)
     write_metrics(out / "gigaword" / "bf16", {50: 3000, 100: 5000, 150: 6000}, mfu=0.2, peak_memory_mb=5000)
@@ -62,12 +65,18 @@ def test_report_rows_from_hand_written_runs(tmp_path):
         ("1 train", "train.precision=bf16: loss at step 300", round(10 / 300, 4), 1.0),
         ("1 train", "train.precision=bf16: MFU, steps 201-300", 0.05, None),
         ("2 bench", "precision_bf16 (tokens/s, on)", 900, 2.0),
-        ("3 eval", "beam 4, eval.precision=fp32 (fp32, quantize none): sentences/s", 50, 1.0),
-        ("3 eval", "beam 4, eval.precision=fp32 (fp32, quantize none): ROUGE-1 F", 30, 1.0),
-        ("3 eval", "beam 4, eval.precision=auto (bf16, quantize none): sentences/s", 100, 2.0),
-        ("3 eval", "beam 4, eval.precision=auto (bf16, quantize none): ROUGE-1 F", 30, 1.0),
-        ("3 eval", "beam 1, eval.precision=auto (bf16, quantize none): sentences/s", 400, 4.0),  # vs beam4_auto
-        ("3 eval", "beam 1, eval.precision=auto (bf16, quantize none): ROUGE-1 F", 27, 0.9),
+        ("3 eval", "beam4, fp32, static shapes, batch 131072 (beam4_auto_auto): sentences/s", 100, 2.0),
+        ("3 eval", "beam4, fp32, static shapes, batch 131072 (beam4_auto_auto): ROUGE-1 F", 30, 1.0),
+        ("3 eval", f"beam4, fp32, static shapes, batch 131072 (beam4_auto_auto): {EQUAL}", 1.0, None),
+        ("3 eval", "beam4, fp32, dynamic shapes, batch 131072 (beam4_fp32_dynamic): sentences/s", 50, 1.0),
+        ("3 eval", "beam4, fp32, dynamic shapes, batch 131072 (beam4_fp32_dynamic): ROUGE-1 F", 30, 1.0),
+        ("3 eval", f"beam4, fp32, dynamic shapes, batch 131072 (beam4_fp32_dynamic): {EQUAL}", 1.0, None),
+        ("3 eval", "greedy, fp32, static shapes, batch 131072 (greedy_auto_auto): sentences/s", 400, 2.0),
+        ("3 eval", "greedy, fp32, static shapes, batch 131072 (greedy_auto_auto): ROUGE-1 F", 27, 1.0),
+        ("3 eval", f"greedy, fp32, static shapes, batch 131072 (greedy_auto_auto): {EQUAL}", 0.5, None),
+        ("3 eval", "greedy, fp32, dynamic shapes, batch 131072 (greedy_fp32_dynamic): sentences/s", 200, 1.0),
+        ("3 eval", "greedy, fp32, dynamic shapes, batch 131072 (greedy_fp32_dynamic): ROUGE-1 F", 27, 1.0),
+        ("3 eval", f"greedy, fp32, dynamic shapes, batch 131072 (greedy_fp32_dynamic): {EQUAL}", 1.0, None),
         ("4 placement", "enc-cuda0_dec-cpu: tokens/s, steps 61-90 (ratio: to one device, fp32)", 200, 0.5),
         ("5 gigaword.yaml", "bf16: tokens/s, steps 101-150", 6000, 3.0),
         ("5 gigaword.yaml", "bf16: MFU, steps 101-150", 0.2, None),

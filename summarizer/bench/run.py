@@ -363,9 +363,14 @@ def markdown(results: list[dict]) -> str:
                          f"(checkpoint, lexicon, reading, tokenizing) {r['startup_s']:.1f} s, then {rates} | | | | |")
         elif r["practice"] == "decode_profile":
             ops = ", ".join(f"{o['op']} {o['share']:.0%} ({o['calls']} calls)" for o in r["top_ops"][:6])
+            device = ""
+            if "device_s" in r:
+                device = "; the GPU busy {:.0%}, most: {}".format(r["device_share"], ", ".join(
+                    f"{o['op']} {o['self_s']:.2f} s ({o['calls']} calls)" for o in r["top_device_ops"][:6]))
             lines.append(f"| decode_profile | beam-{r['beam']} default eval of {r['sentences']} sentences, one thread, "
                          f"torch.profiler: {r['ops_share']:.0%} of {r['wall_s']:.2f} s inside torch operators, the "
-                         f"rest Python; most: {ops} | | | | |")
+                         f"rest Python; {r['host_reads_per_step']:.1f} values read back to the host a step; most: "
+                         f"{ops}{device} (decode_profile.txt) | | | | |")
         elif r["practice"] == "max_batch_tokens":
             lines.append(f"| max_batch_tokens | {r['compared']} (budget {r['budget_mb']:.0f} MiB) | "
                          f"{r['batch_tokens']} | | tokens | lr {r['lr_linear_rule']:.2g} (linear rule), "

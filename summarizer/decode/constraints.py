@@ -8,9 +8,10 @@ tree over the pieces of every known word, and the words of its source), and the 
 next word start, or EOS) once it is complete and unused. Since every allowed piece keeps an unused word
 within reach, a hypothesis never spells itself into a dead end.
 
-Every rule is tensor arithmetic over all the rows of a step at once: the tree is stored as sorted edge
-keys and an ancestor table, each row's state (its word's pieces, tree node and text hash, the words it has
-finished) as tensors that beams reorder by indexing. Words are compared by a 62-bit hash of their text
+Every rule is tensor arithmetic over all the rows of a step at once, in shapes the host knows, with no value
+read back from the device (a GPU never waits on the rules): the tree is stored as sorted edge keys and an
+ancestor table, each row's state (its word's pieces, tree node and text hash, the words it has finished) as
+tensors that beams reorder by indexing. Words are compared by a 62-bit hash of their text
 (two 31-bit polynomial hashes), which a row extends piece by piece. Punctuation at the end of a word does not
 make it another word: text normalised without word tokenization keeps "feb." and "cocoa," whole, so words
 are compared by their repeat key, the text without its closing punctuation ("feb." is "feb" again), and a
@@ -30,6 +31,7 @@ from summarizer.data.tokenizer import BOS, EOS, MASK_PIECE, PAD, TAG_PIECE, UNK,
 WORD_START = "\u2581"  # SentencePiece's word-start marker
 UNKNOWN_TEXT = "\u2047"  # an UNK piece's text in a word (how SentencePiece writes it)
 HASH_BASE, HASH_P1, HASH_P2 = 1_000_003, 2_147_483_647, 2_147_483_629  # two primes below 2**31
+FEW_CHILDREN = 32  # tree nodes with at most this many children: see Lexicon.wide_children
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -118,6 +120,18 @@ class Lexicon:
         self.edge_key = torch.tensor([k for k, _ in keys], dtype=torch.long)
         self.edge_child = torch.tensor([c for _, c in keys], dtype=torch.long)
         self.first_edge = torch.searchsorted(self.edge_key, torch.arange(n + 1) * v)  # (N + 1,) CSR by parent
+        # Each node's children as WordRules.mask allows them in one step: a node with at most FEW_CHILDREN as a
+        # row of that many edges; the few with more (1 in 500 of Gigaword's) as a (V + 1,) bitmap of their pieces,
+        # `wide_children[wide_index[node]]` (row 0: none, for every other node)
+        counts = self.first_edge[1:] - self.first_edge[:-1]
+        wide = (counts > FEW_CHILDREN).nonzero().squeeze(1)
+        wide = wide[wide > 0]  # the root's children are the known starts
+        self.wide_index = torch.zeros(n, dtype=torch.long)
+        self.wide_index[wide] = torch.arange(1, len(wide) + 1)
+        self.wide_children = torch.zeros(len(wide) + 1, v + 1, dtype=torch.bool)
+        for row, node in enumerate(wide.tolist(), start=1):
+            edges = self.edge_child[self.first_edge[node]:self.first_edge[node + 1]]
+            self.wide_children[row, self.piece_into[edges]] = True
         self.root_child = torch.full((v,), -1, dtype=torch.long)  # (V,) the node a word start leads to
         roots = self.edge_key < v
         self.root_child[self.edge_key[roots]] = self.edge_child[roots]
@@ -145,10 +159,9 @@ class Lexicon:
 
     def key_nodes(self, hashes: Tensor) -> Tensor:
         """(R,) repeat key hashes -> (R, M) the tree nodes of the known words with each key (-1 after them),
-        M the most any of them has (at least 1)."""
+        M the most any key has (at least 1)."""
         at = torch.searchsorted(self.class_hash, hashes).clamp(max=len(self.class_hash) - 1)
-        nodes = torch.where((self.class_hash[at] == hashes)[:, None], self.class_nodes[at], -1)
-        return nodes[:, :max(1, int((nodes >= 0).sum(dim=1).max()))] if len(nodes) else nodes[:, :1]
+        return torch.where((self.class_hash[at] == hashes)[:, None], self.class_nodes[at], -1)
 
     def is_word(self, nodes: Tensor) -> Tensor:
         """Which of the tree `nodes` (-1: off the tree) end a known word."""
@@ -187,17 +200,22 @@ class Lexicon:
         return words
 
 
-def _widen(t: Tensor, columns: int) -> Tensor:
-    """`t` (R, C) with at least `columns` columns, new ones -1."""
-    if t.shape[1] >= columns:
-        return t
-    return torch.cat([t, t.new_full((t.shape[0], max(columns, 2 * t.shape[1]) - t.shape[1]), -1)], dim=1)
+def _both(rows: Tensor, pieces: Tensor) -> Tensor:
+    """(R,) & (V,) -> (R, V) bool, computed on bytes: torch's CPU kernel broadcasts bool operands element by
+    element, 40x slower than the same bytes as uint8."""
+    return (rows[:, None].view(torch.uint8) & pieces.view(torch.uint8)).view(torch.bool)
 
 
 class WordRules:
     """The rows of one decoding batch: which pieces each may emit next (`mask`), and how each row's word
     moves on when beams are reordered or finished sentences drop out (`advance`, `select`). With
-    `known_only` off, only repeats are ruled out. Row r belongs to sentence r // group."""
+    `known_only` off, only repeats are ruled out. Row r belongs to sentence r // group.
+
+    Every shape is one the host knows (rows, the batch's source words, steps so far) and no value is read back
+    from the device, so a GPU never waits on the rules: a row's finished words take one column a step (-1 where
+    it finished none), the known words they use up `Lexicon.key_nodes`' M columns a step, and the pieces of the
+    word it is spelling as many columns as the batch's longest source word, plus one for any further piece (a
+    longer word is no source word)."""
 
     def __init__(self, lexicon: Lexicon, sources: list[list[int]], group: int, known_only: bool, no_repeat: bool,
                  device: torch.device | str = "cpu"):
@@ -215,15 +233,16 @@ class WordRules:
         # (B, W, L) each sentence's words' pieces (-1 after a word's end), (B, W) their lengths and text hashes
         self.src_pieces, self.src_len, self.src_hash = (torch.from_numpy(a).to(dev) for a in (pieces, lengths, hashes))
         rows = len(sources) * group
-        self.pieces = torch.full((rows, 4), -1, dtype=torch.long, device=dev)  # (R, .) the word being spelled
+        # (R, L+1) the pieces of the word being spelled
+        self.pieces = torch.full((rows, longest + 1), -1, dtype=torch.long, device=dev)
         self.length = torch.zeros(rows, dtype=torch.long, device=dev)  # (R,) its pieces; 0 = nothing begun
         self.node = torch.zeros(rows, dtype=torch.long, device=dev)  # (R,) its known-tree node, -1 off the tree
         # (R,) its text's hashes (f1, f2) and its repeat key's (h1, h2): Lexicon.extend
         self.f1, self.f2, self.h1, self.h2 = (torch.zeros(rows, dtype=torch.long, device=dev) for _ in range(4))
-        # (R, .) the repeat keys (hashes) of the words each row has finished, and the known-tree nodes of every
-        # known word with one of those keys, in order from column 0 (-1 after them: a hash is >= 0, a node > 0)
-        self.finished = torch.full((rows, 4), -1, dtype=torch.long, device=dev)
-        self.used = torch.full((rows, 4), -1, dtype=torch.long, device=dev)
+        # (R, steps) the repeat keys (hashes) of the words each row has finished, and (R, steps * M) the known-tree
+        # nodes of every known word with one of those keys (-1 elsewhere: a hash is >= 0, a node > 0)
+        self.finished = torch.full((rows, 0), -1, dtype=torch.long, device=dev)
+        self.used = torch.full((rows, 0), -1, dtype=torch.long, device=dev)
         self._ends = None  # may_end of the current rows, computed once per state
 
     # -- what the rows' words are -----------------------------------------------------------------------
@@ -231,10 +250,10 @@ class WordRules:
         """(pieces, lengths, hashes) of each row's source words, and which of them the row's word is a prefix of."""
         sentence = torch.arange(len(self.length), device=self.length.device) // self.group
         pieces, lengths, hashes = self.src_pieces[sentence], self.src_len[sentence], self.src_hash[sentence]
-        mine = _widen(self.pieces, pieces.shape[2])[:, None, :pieces.shape[2]]
-        inside = torch.arange(pieces.shape[2], device=pieces.device) < self.length[:, None]  # (R, L)
-        match = ((pieces == mine) | ~inside[:, None, :]).all(dim=2) & (self.length[:, None] <= lengths) \
-            & (lengths > 0)  # (R, W)
+        longest = pieces.shape[2]
+        inside = torch.arange(longest, device=pieces.device) < self.length[:, None]  # (R, L)
+        match = ((pieces == self.pieces[:, None, :longest]) | ~inside[:, None, :]).all(dim=2) \
+            & (self.length[:, None] <= lengths) & (lengths > 0)  # (R, W)
         return pieces, lengths, hashes, match
 
     def _finished_has(self, hashes: Tensor) -> Tensor:
@@ -262,80 +281,75 @@ class WordRules:
         has_text = (self.h1 != 0) | (self.h2 != 0)
         return has_text & self._finished_has(_combined(self.h1, self.h2)[:, None])[:, 0]
 
-    def finish(self, row: int, hyp: list[int]) -> list[int]:
-        """Row `row` ends with `hyp`: without the word it is spelling if that word may not end (only
-        `max_len` cuts a word short)."""
-        return hyp if bool(self._may_end()[row]) else hyp[:len(hyp) - int(self.length[row])]
+    def cut(self, rows: Tensor) -> Tensor:
+        """(E,) rows that end -> how many pieces to drop from the end of each one's hypothesis: the word it is
+        spelling if that word may not end (only `max_len` cuts a word short), else none."""
+        return torch.where(self._may_end()[rows], 0, self.length[rows])
 
     # -- the mask ------------------------------------------------------------------------------------------
-    def _over_used(self, used: Tensor, nodes: Tensor, rows: Tensor) -> Tensor:
-        """For tree `nodes` (one per entry, of row `rows`; each row's at one depth): are all the words at or
-        under it among the row's `used` words? Counted per (row, ancestor) over the used words at once."""
-        lex, n = self.lex, len(self.lex.parent)
-        if not len(nodes):
-            return torch.zeros(0, dtype=torch.bool, device=nodes.device)
-        depth = torch.zeros(len(used), dtype=torch.long, device=nodes.device)
-        depth[rows] = lex.depth[nodes]
-        r, c = (used > 0).nonzero(as_tuple=True)
-        above = lex.ancestors[used[r, c], depth[r]]  # each used word's ancestor at its row's depth (-1: none)
-        keys, counts = torch.unique((r * n + above)[above >= 0], return_counts=True)  # sorted
-        want = rows * n + nodes
-        at = torch.searchsorted(keys, want).clamp(max=max(len(keys) - 1, 0))
-        under = torch.where(keys[at] == want, counts[at], 0) if len(keys) else torch.zeros_like(want)
-        return lex.words_below[nodes] <= under
+    def _used_up(self, used: Tensor, depth: Tensor | int) -> tuple[Tensor, Tensor]:
+        """(R, U) used known words (-1: none) and a `depth` ((R, 1), or one for all) -> (R, U) the used words'
+        ancestors at that depth, sorted in each row (-1: none), and whether every word at or under each is among
+        the row's used words (counted by its copies in the row)."""
+        lex = self.lex
+        above = torch.where(used > 0, lex.ancestors[used.clamp(min=0), depth], -1).sort(dim=1).values
+        under = torch.searchsorted(above, above, right=True) - torch.searchsorted(above, above)
+        return above, (above > 0) & (lex.words_below[above.clamp(min=0)] <= under)
 
     def mask(self, log_probs: Tensor) -> Tensor:
         """Set -inf on every (row, piece) the rules forbid, in place; a row left with nothing may end (EOS)."""
         lex = self.lex
+        vocab = log_probs.shape[1]
         source = self._source_view() if self.known_only else None
         ends = self._may_end(source)
         if not self.known_only:  # only repeats are ruled out: a repeated word may not end, nor add punctuation
-            if not bool(ends.all()):
-                log_probs[~ends] = log_probs[~ends].masked_fill(lex.starts | (torch.arange(
-                    lex.vocab_size, device=ends.device) == EOS), float("-inf"))
-                repeating = self._repeating()
-                log_probs[repeating] = log_probs[repeating].masked_fill(lex.punct, float("-inf"))
-            return log_probs
+            closing = lex.starts | (torch.arange(lex.vocab_size, device=ends.device) == EOS)
+            log_probs.masked_fill_(_both(~ends, closing), float("-inf"))
+            return log_probs.masked_fill_(_both(self._repeating(), lex.punct), float("-inf"))
         pieces, lengths, hashes, match = source
         begun = self.length > 0
-        allowed = torch.zeros_like(log_probs, dtype=torch.bool)
-        allowed[ends] = lex.known_starts
-        allowed[ends, EOS] = True
+        # (R, V + 1): the last column takes the pieces of entries that allow or forbid none
+        allowed = _both(ends, torch.cat([lex.known_starts, lex.known_starts.new_zeros(1)]))
+        allowed[:, EOS] |= ends
         word_hash = _combined(self.h1, self.h2)
         fresh = ~self._finished_has(hashes) if self.no_repeat else torch.ones_like(match)  # (R, W) source words
         if self.no_repeat:  # a known start whose words are all used (this one's key included) is taken away
             used = torch.cat([self.used, torch.where(begun[:, None], lex.key_nodes(word_hash), -1)], dim=1)
-            rows, cols = (used > 0).nonzero(as_tuple=True)
-            tops = lex.ancestors[used[rows, cols], 1]
-            gone = ends[rows] & self._over_used(used, tops, rows)
-            allowed[rows[gone], lex.piece_into[tops[gone]]] = False
+            tops, gone = self._used_up(used, 1)
+            allowed.scatter_(1, torch.where(gone & ends[:, None], lex.piece_into[tops.clamp(min=0)], vocab), False)
             fresh_now = fresh & ~((hashes == word_hash[:, None]) & begun[:, None])
         else:
             fresh_now = fresh
-        # the known tree's pieces that continue each row's word towards a word not used up
-        going = (begun & (self.node >= 0)).nonzero().squeeze(1)
-        first = lex.first_edge[self.node[going]]
-        counts = lex.first_edge[self.node[going] + 1] - first
-        rows = going.repeat_interleave(counts)
-        edges = first.repeat_interleave(counts) + torch.arange(len(rows), device=rows.device) - \
-            (counts.cumsum(0) - counts).repeat_interleave(counts)
-        children = lex.edge_child[edges]
-        if self.no_repeat and len(rows):
-            keep = ~self._over_used(self.used, children, rows)
-            rows, children = rows[keep], children[keep]
-        allowed[rows, lex.piece_into[children]] = True
-        somewhere = ends.clone()  # rows with a piece allowed: every ending row (EOS), and those below
-        somewhere[rows] = True
+        # the known tree's pieces that continue each row's word: its node's children (a row of edges, or a wide
+        # node's bitmap), less those whose words are all used
+        going = begun & (self.node >= 0)
+        node = torch.where(going, self.node, 0)
+        first, count = lex.first_edge[node], lex.first_edge[node + 1] - lex.first_edge[node]
+        few = going & (count <= FEW_CHILDREN)
+        column = torch.arange(FEW_CHILDREN, device=node.device)
+        onto = few[:, None] & (column < count[:, None])  # (R, FEW_CHILDREN)
+        edges = (first[:, None] + column).clamp(max=max(len(lex.edge_child) - 1, 0))
+        children = lex.edge_child[edges] if len(lex.edge_child) else edges  # (no tree: nothing is onto)
+        allowed.scatter_(1, torch.where(onto, lex.piece_into[children], vocab), True)
+        allowed |= lex.wide_children[lex.wide_index[node]]  # the root's index is 0: no pieces
+        left = torch.where(going, count, 0)  # (R,) children allowed
+        if self.no_repeat:
+            below, full = self._used_up(self.used, lex.depth[node][:, None] + 1)
+            full &= (lex.parent[below.clamp(min=0)] == node[:, None]) & going[:, None]  # the row's used-up children
+            allowed.scatter_(1, torch.where(full, lex.piece_into[below.clamp(min=0)], vocab), False)
+            first_copy = torch.cat([below.new_ones(len(below), min(1, below.shape[1]), dtype=torch.bool),
+                                    below[:, 1:] != below[:, :-1]], dim=1)
+            left = left - (full & first_copy).sum(dim=1)
+        somewhere = ends | (left > 0)  # rows with a piece allowed: every ending row (EOS), and those below
         # the source's pieces that continue a row's word towards an unused source word, and its word starts
         at = self.length.clamp(max=pieces.shape[2] - 1)[:, None, None].expand(-1, pieces.shape[1], 1)
-        onward = match & (self.length[:, None] < lengths) & fresh & begun[:, None]
-        rows, cols = onward.nonzero(as_tuple=True)
-        allowed[rows, pieces.gather(2, at)[rows, cols, 0]] = True
-        somewhere[rows] = True
-        rows, cols = ((lengths > 0) & fresh_now & ends[:, None]).nonzero(as_tuple=True)
-        allowed[rows, pieces[rows, cols, 0]] = True
-        allowed[~somewhere, EOS] = True  # only at max_len can a row run out of words
-        return log_probs.masked_fill_(allowed.logical_not_(), float("-inf"))
+        onward = match & (self.length[:, None] < lengths) & fresh & begun[:, None]  # (R, W)
+        starting = (lengths > 0) & fresh_now & ends[:, None]
+        allowed.scatter_(1, torch.cat([torch.where(onward, pieces.gather(2, at)[:, :, 0], vocab),
+                                       torch.where(starting, pieces[:, :, 0], vocab)], dim=1), True)
+        somewhere |= onward.any(dim=1)
+        allowed[:, EOS] |= ~somewhere  # only at max_len can a row run out of words
+        return log_probs.masked_fill_(allowed[:, :vocab].logical_not(), float("-inf"))
 
     # -- moving on -------------------------------------------------------------------------------------------
     def advance(self, parents, tokens, group: int | None = None) -> None:
@@ -345,19 +359,13 @@ class WordRules:
         self.group = group or self.group
         pieces, length, node = self.pieces[parents], self.length[parents], self.node[parents]
         h1, h2, f1, f2 = self.h1[parents], self.h2[parents], self.f1[parents], self.f2[parents]
-        finished, used = self.finished[parents], self.used[parents]
         start = lex.starts[tokens]
         inside = lex.has_text[tokens] & ~start  # a piece inside the word
-        ending = (start & (length > 0)).nonzero().squeeze(1)  # rows whose word is finished by a new one
-        if len(ending):  # appended at each row's first free column
-            count = (finished >= 0).sum(dim=1)
-            finished = _widen(finished, int(count.max()) + 1)
-            ended = _combined(h1[ending], h2[ending])
-            finished[ending, count[ending]] = ended
-            block = lex.key_nodes(ended)  # every known word of the ended word's key
-            count = (used >= 0).sum(dim=1)[ending]
-            used = _widen(used, int(count.max()) + block.shape[1])
-            used[ending[:, None], count[:, None] + torch.arange(block.shape[1], device=dev)] = block
+        ending = start & (length > 0)  # rows whose word is finished by a new one
+        ended = _combined(h1, h2)
+        self.finished = torch.cat([self.finished[parents], torch.where(ending, ended, -1)[:, None]], dim=1)
+        # every known word of the ended word's key is used up
+        self.used = torch.cat([self.used[parents], torch.where(ending[:, None], lex.key_nodes(ended), -1)], dim=1)
         key = node * lex.vocab_size + tokens
         at = torch.searchsorted(lex.edge_key, key).clamp(max=len(lex.edge_key) - 1)
         child = torch.where((lex.edge_key[at] == key) & (node >= 0), lex.edge_child[at], -1)
@@ -365,14 +373,11 @@ class WordRules:
         old = torch.stack([f1, f2, h1, h2])
         grown = torch.stack(lex.extend(*torch.where(start, 0, old), tokens))  # a word start begins from nothing
         self.f1, self.f2, self.h1, self.h2 = torch.where(start | inside, grown, old)
-        pieces = _widen(pieces, int(length.max()) + 1) if len(length) else pieces
-        pieces[start] = -1
+        pieces.masked_fill_(start[:, None], -1)
+        column = torch.where(start, 0, length).clamp(max=pieces.shape[1] - 1)[:, None]  # the last takes the rest
+        pieces.scatter_(1, column, torch.where(start | inside, tokens, pieces.gather(1, column)[:, 0])[:, None])
         self.length = torch.where(start, 1, length + inside)
-        where = torch.where(start, 0, length)
-        grow = start | inside
-        rows = grow.nonzero().squeeze(1)
-        pieces[rows, where[rows]] = tokens[rows]
-        self.pieces, self.finished, self.used = pieces, finished, used
+        self.pieces = pieces
         self._ends = None
 
     def select(self, rows, sentences) -> None:

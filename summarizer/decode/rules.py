@@ -21,8 +21,9 @@ def _block_repeats(log_probs: Tensor, prefixes: Tensor, n: int) -> Tensor:
     grams = prefixes.unfold(1, n, 1)  # (N, L-n+1, n)
     tail = prefixes[:, length - n + 1:]  # (N, n-1)
     hits = (grams[:, :, :-1] == tail[:, None, :]).all(dim=-1)  # (N, L-n+1)
-    banned = torch.zeros_like(log_probs).scatter_add_(1, grams[:, :, -1], hits.to(log_probs.dtype))
-    return log_probs.masked_fill_(banned > 0, float("-inf"))
+    # -inf where an n-gram repeats, +inf (no change under amin) where not: a token may be both in one row
+    inf = torch.full(hits.shape, float("inf"), dtype=log_probs.dtype, device=log_probs.device)
+    return log_probs.scatter_reduce_(1, grams[:, :, -1], torch.where(hits, -inf, inf), reduce="amin")
 
 
 class Rules:
@@ -66,12 +67,10 @@ class Rules:
         if self.words is not None:
             self.words.advance(parents, tokens, group)
 
-    def finish(self, row: int, hyp: list[int]) -> list[int]:
-        """Row `row` ends with `hyp`: without the word it is spelling if that word may not end (only
-        `max_len` cuts a word short)."""
-        if self.words is None:
-            return hyp
-        return self.words.finish(row, hyp)
+    def cuts(self, rows: Tensor) -> Tensor:
+        """(E,) rows that end -> how many pieces to drop from each one's hypothesis: the word it is spelling if
+        that word may not end (only `max_len` cuts a word short), else none."""
+        return self.words.cut(rows) if self.words is not None else torch.zeros_like(rows)
 
     def select(self, rows: Tensor, sentences: Tensor) -> None:
         self.bytes, self.min_len = self.bytes[rows], self.min_len[rows]
@@ -79,16 +78,35 @@ class Rules:
             self.words.select(rows, sentences)
 
 
-def finalise(finished: list, alive: Tensor, prefixes: Tensor, top_scores: Tensor, parents: Tensor,
-              is_eos: Tensor, k: int, length_penalty: float, rules: Rules) -> None:
-    """Move the EOS candidates ranked within the top K into their sentence's finished list (at most K)."""
+def ended_hypotheses(rows: Tensor, prefixes: Tensor, rules: Rules, end: int | None = None,
+                     tags: Tensor | None = None) -> list[tuple]:
+    """(E,) rows whose hypothesis ends now -> (tag, its ids) each: the ids are `prefixes`' columns 1..end (BOS
+    left out) less the pieces `rules.cuts` drops, the tag the row's entry of `tags` (default: the row). One read
+    from the device for them all."""
+    tags = rows if tags is None else tags
+    table = torch.cat([tags[:, None], rules.cuts(rows)[:, None], prefixes[rows, 1:end]], dim=1).tolist()
+    return [(tag, ids[:len(ids) - cut]) for tag, cut, *ids in table]
+
+
+def finalise(finished: list, alive: list[int], prefixes: Tensor, top_scores: Tensor, parents: Tensor,
+             is_eos: Tensor, k: int, length_penalty: float, rules: Rules) -> None:
+    """Move the EOS candidates ranked within the top K into their sentence's finished list (at most K); `alive`
+    maps each of the batch's sentences (the rows of `top_scores`) to its input sentence. Three reads from the
+    device when a candidate ends, one when none does."""
     ranked = is_eos & (torch.arange(is_eos.shape[1], device=is_eos.device) < k)
     rows, cols = ranked.nonzero(as_tuple=True)
     if not rows.numel():
         return
-    ended = parents[rows, cols]
-    hyps = prefixes[ended, 1:].tolist()
-    for b, parent, score, hyp in zip(alive[rows].tolist(), ended.tolist(), top_scores[rows, cols].tolist(), hyps,
-                                     strict=True):
+    ended = ended_hypotheses(parents[rows, cols], prefixes, rules, tags=rows)
+    for (row, hyp), score in zip(ended, top_scores[rows, cols].tolist(), strict=True):
+        b = alive[row]
         if len(finished[b]) < k:  # the score counts the length as searched, before any cut word
-            finished[b].append((score / (len(hyp) + 1) ** length_penalty, rules.finish(parent, hyp)))
+            finished[b].append((score / (len(hyp) + 1) ** length_penalty, hyp))
+
+
+def continuing(top_scores: Tensor, parents: Tensor, tokens: Tensor, is_eos: Tensor, k: int) -> tuple[Tensor, ...]:
+    """The K best candidates of each sentence that do not end in EOS, in rank order: (scores (n, K), parents
+    (n * K,), tokens (n * K,)), picked by a stable sort rather than a boolean mask, whose size the device would
+    have to report (of 2K candidates at most K end, so K always continue)."""
+    pick = torch.sort(is_eos.to(torch.int8), dim=1, stable=True).indices[:, :k]  # the non-EOS ones, in order
+    return top_scores.gather(1, pick), parents.gather(1, pick).reshape(-1), tokens.gather(1, pick).reshape(-1)

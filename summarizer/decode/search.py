@@ -21,7 +21,7 @@ from summarizer.config.schema import EvalConfig
 from summarizer.data.batches import pad_sources
 from summarizer.data.tokenizer import BOS, EOS, UNK
 from summarizer.decode.constraints import Lexicon
-from summarizer.decode.rules import Rules, finalise
+from summarizer.decode.rules import Rules, continuing, ended_hypotheses, finalise
 from summarizer.decode.static import static_search
 from summarizer.model.transformer import Seq2Seq
 
@@ -42,7 +42,7 @@ def greedy(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon | None
     memory = model.encode(src_ids)
     state = model.start_decoding(memory, src_ids) if use_cache else None
     rules, device = Rules(src_ids, 1, settings, lexicon), src_ids.device
-    alive = torch.arange(src_ids.shape[0], device=device)  # batch row -> input sentence
+    alive = list(range(src_ids.shape[0]))  # batch row -> input sentence
     prefixes = torch.full((src_ids.shape[0], 1), BOS, dtype=torch.long, device=device)
     out: list[list[int]] = [[] for _ in range(src_ids.shape[0])]
     for step in range(settings.max_len + 1):
@@ -50,15 +50,17 @@ def greedy(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon | None
         next_ids = log_probs.argmax(dim=-1)  # (R,)
         prefixes = torch.cat([prefixes, next_ids[:, None]], dim=1)
         rules.advance(torch.arange(len(next_ids), device=device), next_ids)
-        ended = next_ids == EOS
-        if bool(ended.any()):
-            rows = ended.nonzero().squeeze(1).tolist()
-            for i, row, ids in zip(alive[ended].tolist(), rows, prefixes[ended, 1:-1].tolist(), strict=True):
-                out[i] = rules.finish(row, ids)
-            keep = (~ended).nonzero().squeeze(1)
-            if not keep.numel():
+        rows = (next_ids == EOS).nonzero().squeeze(1)  # the step's one read from the device, and one if any ended
+        if rows.numel():
+            ended = set()
+            for row, ids in ended_hypotheses(rows, prefixes, rules, end=-1):
+                out[alive[row]] = ids
+                ended.add(row)
+            if len(ended) == len(alive):
                 break
-            alive, prefixes, src_ids = alive[keep], prefixes[keep], src_ids[keep]
+            kept = [row for row in range(len(alive)) if row not in ended]
+            keep = torch.tensor(kept, device=device)
+            alive, prefixes, src_ids = [alive[row] for row in kept], prefixes[keep], src_ids[keep]
             memory = memory[keep.to(memory.device)]
             rules.select(keep, keep)
             if state is not None:
@@ -80,7 +82,7 @@ def beam_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon |
     memory, width = model.encode(src_ids), 1
     state = model.start_decoding(memory, src_ids, group=width) if use_cache else None
     rules = Rules(src_ids, width, settings, lexicon)
-    alive = torch.arange(batch, device=device)  # batch row -> input sentence
+    alive = list(range(batch))  # batch sentence -> input sentence
     prefixes = torch.full((batch, 1), BOS, dtype=torch.long, device=device)
     scores = torch.zeros((batch, 1), device=device)
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
@@ -94,21 +96,19 @@ def beam_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon |
         is_eos = (token == EOS) & torch.isfinite(top_scores)
         parents = torch.arange(n, device=device)[:, None] * width + beam  # (n, 2K) the row each extends
         finalise(finished, alive, prefixes, top_scores, parents, is_eos, k, settings.length_penalty, rules)
-        # The K best non-EOS candidates continue.
-        live = ~is_eos
-        chosen = live & (live.cumsum(dim=1) <= k)
-        scores, parents, width = top_scores[chosen].view(n, k), parents[chosen], k
-        prefixes = torch.cat([prefixes[parents], token[chosen].view(-1, 1)], dim=1)
-        rules.advance(parents, token[chosen], group=k)
+        scores, parents, tokens = continuing(top_scores, parents, token, is_eos, k)  # the K best non-EOS ones
+        width = k
+        prefixes = torch.cat([prefixes[parents], tokens[:, None]], dim=1)
+        rules.advance(parents, tokens, group=k)
         if state is not None:
             model.reorder(state, parents, group=k)
-        done = torch.tensor([len(finished[i]) >= k for i in alive.tolist()], device=device)
-        if bool(done.any()):
-            keep = (~done).nonzero().squeeze(1)
-            if not keep.numel():
+        kept = [b for b, i in enumerate(alive) if len(finished[i]) < k]
+        if len(kept) < len(alive):
+            if not kept:
                 break
+            keep = torch.tensor(kept, device=device)
             rows = (keep[:, None] * k + torch.arange(k, device=device)).view(-1)
-            alive, scores, prefixes, src_ids = alive[keep], scores[keep], prefixes[rows], src_ids[keep]
+            alive, scores, prefixes, src_ids = [alive[b] for b in kept], scores[keep], prefixes[rows], src_ids[keep]
             memory = memory[keep.to(memory.device)]
             rules.select(rows, keep)
             if state is not None:

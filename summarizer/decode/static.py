@@ -19,7 +19,7 @@ from torch import Tensor
 from summarizer.config.schema import EvalConfig
 from summarizer.data.tokenizer import BOS, EOS
 from summarizer.decode.constraints import Lexicon
-from summarizer.decode.rules import Rules, finalise
+from summarizer.decode.rules import Rules, continuing, ended_hypotheses, finalise
 
 
 class DecoderStep:
@@ -87,6 +87,7 @@ def static_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon
     step_of = DecoderStep(model, state)
     rules = Rules(src_ids, k, settings, lexicon)
     sentences = torch.arange(batch, device=device)
+    alive = list(range(batch))
     prefixes = torch.full((rows, 1), BOS, dtype=torch.long, device=device)
     tokens, parents = prefixes[:, 0], torch.arange(rows, device=device)
     scores = torch.full((batch, k), float("-inf"), device=device)
@@ -98,9 +99,11 @@ def static_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon
             tokens = log_probs.argmax(dim=-1)
             prefixes = torch.cat([prefixes, tokens[:, None]], dim=1)
             rules.advance(parents, tokens)
-            for row in (tokens == EOS).nonzero().squeeze(1).tolist():
-                if not finished[row]:
-                    finished[row].append((0.0, rules.finish(row, prefixes[row, 1:-1].tolist())))
+            rows = (tokens == EOS).nonzero().squeeze(1)
+            if rows.numel():
+                for row, ids in ended_hypotheses(rows, prefixes, rules, end=-1):
+                    if not finished[row]:
+                        finished[row].append((0.0, ids))
             if all(finished):
                 break
             continue
@@ -110,10 +113,8 @@ def static_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon
         beam, token = top_index // vocab, top_index % vocab
         is_eos = (token == EOS) & torch.isfinite(top_scores)
         parents = sentences[:, None] * k + beam  # (B, 2K) the row each extends
-        finalise(finished, sentences, prefixes, top_scores, parents, is_eos, k, settings.length_penalty, rules)
-        live = ~is_eos
-        chosen = live & (live.cumsum(dim=1) <= k)
-        scores, parents, tokens = top_scores[chosen].view(batch, k), parents[chosen], token[chosen]
+        finalise(finished, alive, prefixes, top_scores, parents, is_eos, k, settings.length_penalty, rules)
+        scores, parents, tokens = continuing(top_scores, parents, token, is_eos, k)
         prefixes = torch.cat([prefixes[parents], tokens[:, None]], dim=1)
         rules.advance(parents, tokens, group=k)
         if all(len(f) >= k for f in finished):

@@ -21,7 +21,7 @@ from summarizer.decode.inference import (
 )
 from summarizer.decode.lexicon import lexicon
 from summarizer.decode.quantize import decoding_precision
-from summarizer.decode.search import copied_unknowns, decode_all
+from summarizer.decode.search import copied_unknowns, decode_all, decode_batch_tokens, static_shapes
 from summarizer.evaluation.scoring import quality, rouge_report, words
 from summarizer.outputs import claim_dir, refuse_overlap, write_together
 
@@ -83,6 +83,8 @@ def evaluate(cfg: Config) -> dict:
                   for h, p, copied in zip(hyps, pairs, copied_unknowns(model, ids, hyps, rt), strict=True)]
     report = score(cfg, meta, pairs, predictions)
     report["settings"] = settings(cfg, name, len(pairs), source, rt.precision)
+    report["settings"].update(batch_tokens=decode_batch_tokens(cfg.eval, rt),
+                              shapes="static" if static_shapes(cfg.eval, rt, runtime.unwrap(model)) else "dynamic")
     report["sentences_per_s"] = len(pairs) / seconds  # decoding alone, as other toolkits time it
     report["startup_s"] = started - begun  # reading data and the checkpoint, quantizing, the word rules' lexicon
     # rouge.json names the predictions it scored: all three are written in full before any is replaced

@@ -107,7 +107,9 @@ def test_decode_profile_row_splits_the_wall_time_into_operators_and_the_rest(cfg
                                   for o in row["top_ops"])
     shares = [o["share"] for o in row["top_ops"]]
     assert shares == sorted(shares, reverse=True)
+    assert row["host_reads_per_step"] > 0  # the word rules' nonzero calls, among others
     assert "| decode_profile | beam-4 default eval of 4 sentences" in (cfg.run_dir / "bench.md").read_text()
+    assert "aten::topk" in (cfg.run_dir / "decode_profile.txt").read_text()
 
 
 def test_decode_file_row_times_start_up_apart_from_both_searches(trained_run, tmp_path):
