@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU's check: training speed and loss per precision from a cold start, the bench's GPU rows, decoding per
-# precision and beam, model-parallel placement and DDP, and configs/gigaword.yaml's model on synthetic pairs.
+# precision and beam, model-parallel placement and DDP, configs/gigaword.yaml's model on synthetic pairs, and
+# profiles of training's first steps and of a decode.
 # Ends with one Markdown table (also OUT/gpu_check.md). At most 8 minutes on one H100 (GPU_CHECK_SECONDS).
 #   bash scripts/gpu_check.sh DATA_DIR         # DATA_DIR: prepared with configs/base.yaml
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_STEPS=20 bash scripts/gpu_check.sh DATA_DIR   # the same steps on a CPU, tiny
 # Environment: PYTHON, OUT (default gpu_check_out, must not hold an earlier check), GPU_CHECK_STEPS (300),
 # GPU_CHECK_CONFIG (configs/base.yaml; configs/tiny.yaml on a CPU), GPU_CHECK_SECONDS (450: parts are
-# skipped once it is spent), GPU_CHECK_GW_MINUTES (0.75 per precision), GPU_CHECK_GW_PAIRS (100000).
+# skipped once it is spent), GPU_CHECK_PARTS ("1 2 3 4 5 6": the parts to run; 3 and 6 decode part 1's fp32 run),
+# GPU_CHECK_GW_MINUTES (0.75 per precision), GPU_CHECK_GW_PAIRS (100000).
 set -uo pipefail
 [ $# -eq 1 ] && [ -f "$1/meta.json" ] || { echo "usage: bash scripts/gpu_check.sh DATA_DIR (a prepared data dir:" \
   "python -m data_prep --config configs/base.yaml data.source=DIR data.dir=DATA_DIR)" >&2; exit 2; }
@@ -35,6 +37,7 @@ mkdir -p "$OUT/logs" && : > "$OUT/notes.txt" || exit 2
 LOG=$((STEPS / 6 > 50 ? 50 : STEPS / 6)); LOG=$((LOG > 0 ? LOG : 1))
 FEW=$((STEPS / 10 > 30 ? 30 : STEPS / 10)); FEW=$((FEW > 2 ? FEW : 2))
 DEADLINE=$((SECONDS + BUDGET))
+PARTS=${GPU_CHECK_PARTS:-1 2 3 4 5 6}
 FAILED=0
 COMMON=(--config "$CONFIG" "data.dir=$DATA" "run.tensorboard_dir=$OUT/tb" "system.device=$DEV")
 # N steps, a log every L; validation (loss only: best.pt by loss) and the checkpoint once, at the end, so they
@@ -47,6 +50,7 @@ skip() { echo "gpu_check: part $1, $2: skipped: $3"; echo "$1|$2|skipped: $3" >>
 step() {  # step PART LABEL SECONDS COMMAND...: run it under a timeout cut to what is left of the budget
   local part=$1 label=$2 limit=$3 left=$((DEADLINE - SECONDS)) rc log="$OUT/logs/$1-${2// /_}.log"
   shift 3
+  if [[ " $PARTS " != *" $part "* ]]; then skip "$part" "$label" "not among GPU_CHECK_PARTS ($PARTS)"; return 1; fi
   if [ "$left" -lt 30 ]; then skip "$part" "$label" "the time budget (GPU_CHECK_SECONDS=$BUDGET) is spent"; return 1; fi
   limit=$((limit < left ? limit : left))
   echo "gpu_check: part $part, $label (at most ${limit}s) ..."
@@ -89,7 +93,7 @@ if [ -f "$OUT/train/fp32/best.pt" ]; then
       "eval.precision=$p" "eval.shapes=$shapes" "eval.limit=$LIMIT" eval.bootstrap_samples=200
   done
 else
-  skip 3 eval "no checkpoint: the fp32 training of part 1 failed"
+  skip 3 eval "no checkpoint: part 1's fp32 run did not finish (failed, or not run)"
 fi
 
 # 4. Encoder and decoder on two devices, a few steps each; DDP over NCCL on two GPUs.
@@ -122,6 +126,21 @@ if [ "$DEV" = cuda ]; then
     done
 else
   skip 5 gigaword.yaml "a 60M-parameter model: GPU only"
+fi
+
+# 6. Where the time goes, by torch.profiler: the first steps of a fresh run (new batch shapes) in fp32 and bf16
+# (profile.txt: operators by device time), and a beam-4 decode of the test split with the fp32 run's weights.
+PROFILE_STEPS=$((FEW > 20 ? 20 : FEW))
+for p in fp32 bf16; do
+  step 6 "profile train $p" 90 "${TRAIN[@]}" "run.name=gc_profile_$p" "run.dir=$OUT/profile/train_$p" \
+    "train.precision=$p" "train.profile_steps=$PROFILE_STEPS" $(schedule $((PROFILE_STEPS + 4)) 2)
+done
+if [ -f "$OUT/train/fp32/best.pt" ]; then
+  step 6 "profile decode" 90 "$PY" -m summarizer bench "${COMMON[@]}" run.name=gc_decode_profile \
+    "run.dir=$OUT/profile/decode" "bench.rows=[decode_profile]" "bench.checkpoint=$OUT/train/fp32/best.pt" \
+    "bench.decode_sentences=$([ "$DEV" = cuda ] && echo 2000 || echo 40)" bench.find_batch_tokens=false
+else
+  skip 6 "profile decode" "no checkpoint: part 1's fp32 run did not finish (failed, or not run)"
 fi
 
 "$PY" scripts/gpu_check_report.py report "$OUT" --device "$DEV" || FAILED=1

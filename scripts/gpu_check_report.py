@@ -12,7 +12,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-PARTS = {1: "1 train", 2: "2 bench", 3: "3 eval", 4: "4 placement", 5: "5 gigaword.yaml"}
+PARTS = {1: "1 train", 2: "2 bench", 3: "3 eval", 4: "4 placement", 5: "5 gigaword.yaml", 6: "6 profile"}
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -109,6 +109,37 @@ def run_rows(out: Path, part: int, folder: str, figures: tuple, base: dict) -> l
     return rows
 
 
+def top_operators(table: Path, n: int = 5) -> list[str]:
+    """The first `n` operators of a torch.profiler table (key_averages().table(), sorted as it was written)."""
+    lines = table.read_text().splitlines() if table.is_file() else []
+    header = next((ln for ln in lines if "Self CPU %" in ln), None)
+    if header is None:
+        return []
+    width = header.index("Self CPU %")
+    names = [ln[:width].strip() for ln in lines[lines.index(header) + 2:] if ln.strip() and not ln.startswith("-")]
+    return [name for name in names if name and not name.startswith("ProfilerStep")][:n]
+
+
+def profile_rows(out: Path) -> tuple[list[tuple], list[str]]:
+    """Part 6: the decode profile's figures as rows; each profile's top operators as notes."""
+    rows, notes = [], []
+    bench = out / "profile" / "decode" / "bench.json"
+    for r in json.loads(bench.read_text()) if bench.is_file() else []:
+        if r.get("practice") != "decode_profile" or "wall_s" not in r:
+            continue
+        label = f"decode beam {r['beam']}, {r['sentences']} sentences"
+        rows.append((PARTS[6], f"{label}: seconds", r["wall_s"], None))
+        rows.append((PARTS[6], f"{label}: values read back to the host a step", r["host_reads_per_step"], None))
+        if "device_share" in r:
+            rows.append((PARTS[6], f"{label}: share of the time the GPU is busy", r["device_share"], None))
+        notes.append(f"{PARTS[6]}, decode: most time: " + ", ".join(
+            top_operators(out / "profile" / "decode" / "decode_profile.txt")))
+    for p in ("fp32", "bf16"):
+        if ops := top_operators(out / "profile" / f"train_{p}" / "profile.txt"):
+            notes.append(f"{PARTS[6]}, train {p}, first steps: most time: {', '.join(ops)}")
+    return rows, notes
+
+
 def all_rows(out: Path) -> tuple[list[tuple], list[str]]:
     bench, notes = bench_rows(out)
     one_device = run_summary(out / "train" / "fp32") or {}
@@ -118,6 +149,9 @@ def all_rows(out: Path) -> tuple[list[tuple], list[str]]:
     rows = (train_rows(out) + bench + eval_rows(out) + run_rows(out, 4, "placement", placement, one_device)
             + run_rows(out, 4, "ddp", placement, one_device)
             + run_rows(out, 5, "gigaword", gigaword, run_summary(out / "gigaword" / "fp32") or {}))
+    profiled, profile_notes = profile_rows(out)
+    rows += profiled
+    notes += profile_notes
     notes_file = out / "notes.txt"
     for line in notes_file.read_text().splitlines() if notes_file.is_file() else []:
         part, label, message = line.split("|", 2)

@@ -33,6 +33,15 @@ def write_rouge(eval_dir: Path, precision: str, shapes: str, rate: float, r1: fl
     (eval_dir / "predictions.txt").write_text("".join(p + "\n" for p in predictions.split()))
 
 
+def test_top_operators_are_read_from_a_profiler_table(tmp_path):
+    table = tmp_path / "profile.txt"
+    table.write_text("\n".join(["-" * 40, f"{'Name':>16}  Self CPU %  Self CPU", "-" * 40,
+                                  f"{'ProfilerStep*':>16}  50%  1ms", f"{'aten::mm':>16}  30%  1ms",
+                                  f"{'aten::bmm':>16}  10%  1ms", "-" * 40]))
+    assert report.top_operators(table) == ["aten::mm", "aten::bmm"]
+    assert report.top_operators(tmp_path / "missing.txt") == []
+
+
 def test_report_rows_from_hand_written_runs(tmp_path):
     out = tmp_path / "out"
     steps = [50, 100, 150, 200, 250, 300]
@@ -123,9 +132,31 @@ def test_cpu_mode_runs_every_part_and_prints_a_number_per_row(tmp_path):
     table = (tmp_path / "out" / "gpu_check.md").read_text()
     assert table in done.stdout
     rows = table_rows(table)
-    assert {r[0] for r in rows} == {"1 train", "2 bench", "3 eval", "4 placement"}
+    assert {r[0] for r in rows} == {"1 train", "2 bench", "3 eval", "4 placement", "6 profile"}
     assert all(re.fullmatch(r"-?\d+(\.\d+)?(e[-+]\d+)?", r[2]) for r in rows), rows
     assert {p for r in rows if r[0] == "1 train" for p in ("fp32", "bf16", "fp16") if f"={p}:" in r[1]} == \
         {"fp32", "bf16", "fp16"}
     assert "5 gigaword.yaml, gigaword.yaml: skipped" in table
     assert "cuda:0 + cuda:1, DDP: skipped: needs two GPUs" in table
+    assert re.search(r"6 profile, train (fp32|bf16), first steps: most time: aten::", table), table
+    assert "6 profile, decode: most time: aten::" in table or "6 profile, decode: most time: quantized::" in table
+    equal = [r for r in rows if r[0] == "3 eval" and "equal to the dynamic" in r[1] and ", fp32, " in r[1]]
+    assert equal and all(float(r[2]) == 1 for r in equal)  # the default's outputs are the dynamic fp32 search's
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("bash") and shutil.which("timeout")), reason="needs bash and timeout")
+def test_only_the_parts_asked_for_run(tmp_path):
+    """GPU_CHECK_PARTS: the others are listed as skipped, with the reason; parts 3 and 6 need part 1's run."""
+    from data_prep.__main__ import main as prep
+    assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tmp_path / 'data'}"]) == 0
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "12", "OUT": str(tmp_path / "out"),
+           "PYTHON": sys.executable, "GPU_CHECK_PARTS": "4 6"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "data")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert {r[0] for r in table_rows(table)} == {"4 placement"}
+    assert "1 train, train fp32: skipped: not among GPU_CHECK_PARTS (4 6)" in table
+    assert "6 profile, profile decode: skipped: no checkpoint: part 1's fp32 run did not finish" in table
+    assert re.search(r"6 profile, train fp32, first steps: most time: aten::", table), table
