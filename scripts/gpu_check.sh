@@ -76,7 +76,7 @@ done
 # 2. The bench's training rows (NOT_HERE rows such as pin_memory on a CPU are listed as skipped).
 # The AMP rows twice: the first epoch's new batch shapes, and the second epoch's (shapes seen before).
 ROWS="[precision_bf16, precision_bf16_epoch2, precision_fp16, precision_fp16_epoch2, naive_vs_default, "
-ROWS+="fused_optimizer, workers, pin_memory, cudnn_benchmark, attention_kernel]"
+ROWS+="fused_optimizer, workers, pin_memory, cudnn_benchmark, attention_kernel, pad_multiple]"
 step 2 bench 210 "$PY" -m summarizer bench "${COMMON[@]}" run.name=gc_bench "run.dir=$OUT/bench" "bench.rows=$ROWS" \
   $([ "$DEV" = cuda ] && echo bench.repeats=3 bench.warmup=1 bench.steps=10 || echo bench.repeats=1 bench.warmup=0 bench.steps=2) \
   bench.find_batch_tokens=false

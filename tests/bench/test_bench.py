@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from summarizer.bench.run import NOT_HERE, markdown, rows, run_bench
 from summarizer.config.load import load_config
@@ -165,3 +166,12 @@ def test_second_epoch_rows_take_probe_options_and_alternate_fresh_processes(cfg)
     assert padded["on"]["n"] == padded["off"]["n"] == 1
     if "precision_bf16" in table:  # the first-epoch and second-epoch forms come as a pair
         assert "precision_bf16_epoch2" in table
+
+
+@pytest.mark.parametrize("device, multiple", [("cpu", 4), ("cuda", 8)])
+def test_pad_multiple_row_pads_to_what_the_device_wants(cfg, monkeypatch, device, multiple):
+    """On a GPU the row measures multiples of 8 (16-bit tensor cores), on a CPU 4 (oneDNN's kernel cache); both
+    against unpadded, on any machine (the GPU branch with a CUDA device patched in)."""
+    from summarizer import runtime
+    monkeypatch.setattr(runtime, "resolve_device", lambda name: torch.device(device))
+    assert f"multiples of {multiple} vs unpadded" in rows(cfg)["pad_multiple"][0]
