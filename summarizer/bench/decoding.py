@@ -91,8 +91,9 @@ def alternate(variants: dict[str, Callable[[], list]], cfg: Config, count: int) 
 def decode_row(cfg: Config, beam: int, against: str) -> dict:
     """sentences/s of today's decoder ("on") against `against` ("off"): "v1" (today's default
     eval.quantize against commit 9415323's float32, word rules off on both, so outputs can be compared),
-    "int8" (against float32), "bf16" (decoding precision) or "rules" (the word rules on, against off, at
-    the default eval.quantize); with each side's ROUGE-1 on the decoded sentences and whether outputs agree."""
+    "int8" (against float32), "bf16" (decoding precision), "rules" (the word rules on, against off, at
+    the default eval.quantize) or "shapes" (static shapes, a CUDA graph per step on a GPU, against dynamic, in
+    float32 with the word rules on); with each side's ROUGE-1 on the decoded sentences and whether outputs agree."""
     rt = runtime.setup(cfg.system, cfg.placement, "fp32")
     sources, references = _sources(cfg)
     tokenizer, lex = open_tokenizer(cfg.data.dir), lexicon(cfg.data.dir)
@@ -109,6 +110,9 @@ def decode_row(cfg: Config, beam: int, against: str) -> dict:
         quantized = _model(cfg, rt, "int8")
         variants = {"on": lambda: decode_all(quantized, sources, plain, rt, lexicon=lex),
                     "off": lambda: decode_all(model, sources, plain, rt, lexicon=lex)}
+    elif against == "shapes":
+        variants = {side: functools.partial(decode_all, model, sources, dataclasses.replace(ruled, shapes=shapes),
+                                            rt, lexicon=lex) for side, shapes in (("on", "static"), ("off", "dynamic"))}
     elif against in ("bf16", "fp16"):
         rt16 = runtime.setup(cfg.system, cfg.placement, against)
         model16 = decoding_form(copy.deepcopy(model), rt16, "none")

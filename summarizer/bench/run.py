@@ -230,6 +230,8 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
                          lambda: decode_row(cfg, 4, "rules")),
         "decode_int8": ("beam 4 with int8 linear layers (eval.quantize=int8) vs float32", "sentences/s", "higher",
                         lambda: decode_row(cfg, 4, "int8")),
+        "decode_static": ("beam 4 in static shapes (a CUDA graph per step on a GPU) vs dynamic, fp32, word rules on",
+                          "sentences/s", "higher", lambda: decode_row(cfg, 4, "shapes")),
         "kv_cache": ("beam-4 decoding with KV cache vs recomputing the prefix", "sentences/s", "higher", on_off(
             lambda: decode_rate(cfg, True), lambda: decode_rate(cfg, False))),
         "compile": ("torch.compile vs eager", "tokens/s", "higher", pair(

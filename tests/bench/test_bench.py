@@ -33,7 +33,7 @@ def test_every_timing_row_measures_on_and_off(cfg):
         for side in ("on", "off"):
             assert r[side]["n"] == 2 and 0 < r[side]["min"] <= r[side]["median"] <= r[side]["max"]
         assert r["ratio"] == pytest.approx(r["on"]["median"] / r["off"]["median"])
-    for name in ("decode_greedy", "decode_beam4"):  # same settings, the release-1 loop: the same summaries
+    for name in ("decode_greedy", "decode_beam4", "decode_static"):  # the same summaries: release 1's, dynamic
         assert next(r for r in results if r["practice"] == name)["same_outputs"] is True
     bucketing = next(r for r in results if r["practice"] == "bucketing")
     assert bucketing["padding_on"] < bucketing["padding_off"]
