@@ -11,6 +11,7 @@ the eager search; `on` runs this one there too.
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -20,6 +21,13 @@ from summarizer.config.schema import EvalConfig
 from summarizer.data.tokenizer import BOS, EOS
 from summarizer.decode.constraints import Lexicon
 from summarizer.decode.rules import Rules, continuing, ended_hypotheses, finalise
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream warm-up steps run on, one per device for the process: memory the caching allocator files
+    under a stream is reused only by that stream, so a new stream per batch would strand each one's blocks."""
+    return torch.cuda.Stream(device)
 
 
 class DecoderStep:
@@ -54,7 +62,7 @@ class DecoderStep:
             return self._run()
         if self.calls < self.warmup:
             self.calls += 1
-            side, current = torch.cuda.Stream(), torch.cuda.current_stream()
+            side, current = _side_stream(self.tokens.device), torch.cuda.current_stream()
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 out = self._run()
