@@ -5,9 +5,10 @@ What changes against `search.beam_search`, and only in how, not what, it compute
 (`max_len + 1` positions, written in place: `Seq2Seq.start_decoding(capacity=...)`); every sentence has `beam_size`
 rows from the first step (beams 1..K-1 start at score -inf, so the first step picks from beam 0 alone, as the
 widening search does); and a finished sentence keeps its rows to the end of the batch, its candidates ignored,
-instead of leaving it. The outputs are the eager search's (tests/test_static_decoding.py). On a CPU, where
-nothing replays a graph and a finished sentence leaving the batch saves work, `eval.shapes=auto` keeps
-the eager search; `on` runs this one there too.
+instead of leaving it. The outputs are the dynamic search's in float32 (tests/test_static_decoding.py; int8
+layers scale activations per batch, and this batch keeps its finished rows). On a CPU, where nothing replays
+a graph and a finished sentence leaving the batch saves work, `eval.shapes=auto` keeps the dynamic search;
+`eval.shapes=static` runs this one there too.
 """
 from __future__ import annotations
 
