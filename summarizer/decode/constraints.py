@@ -121,8 +121,8 @@ class Lexicon:
         self.edge_child = torch.tensor([c for _, c in keys], dtype=torch.long)
         self.first_edge = torch.searchsorted(self.edge_key, torch.arange(n + 1) * v)  # (N + 1,) CSR by parent
         # Each node's children as WordRules.mask allows them in one step: a node with at most FEW_CHILDREN as a
-        # row of that many edges; the few with more (1 in 500 of Gigaword's) as a (V + 1,) bitmap of their pieces,
-        # `wide_children[wide_index[node]]` (row 0: none, for every other node)
+        # row of that many edges; the few with more (71 of the Gigaword sample's 49,805) as a (V + 1,) bitmap of
+        # their pieces, `wide_children[wide_index[node]]` (row 0: none, for every other node)
         counts = self.first_edge[1:] - self.first_edge[:-1]
         wide = (counts > FEW_CHILDREN).nonzero().squeeze(1)
         wide = wide[wide > 0]  # the root's children are the known starts
