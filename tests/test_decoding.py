@@ -442,3 +442,40 @@ def test_int8_decoding_keeps_the_length_and_word_rules(model, sources, lexicon_a
         assert len(hyp) >= 4 and all(w in known or w in texts[i].split() for w in words), words
         keys = [lex.repeat_key(tokenizer.encode(w)) for w in words]
         assert len(keys) == len(set(keys)), words
+
+
+def test_a_greedy_row_left_with_no_token_ends_instead_of_emitting_pad():
+    """n-gram blocking can take away the only piece the word rules allowed; greedy then ends the row (EOS, its
+    unfinished word cut), where an argmax over -inf alone would emit PAD, and PAD would dodge the n-gram."""
+    from summarizer.decode.rules import best_tokens
+    scores = torch.full((3, 10), float("-inf"))
+    scores[0, 7] = -1.0
+    scores[2, [4, 5]] = torch.tensor([-3.0, -2.0])
+    assert best_tokens(scores).tolist() == [7, EOS, 5]
+
+
+class OnlyOnePiece:
+    """A stand-in model (decoded without a cache) that allows one piece and nothing else, ever."""
+
+    def encode(self, src_ids):
+        return torch.zeros(src_ids.shape[0], src_ids.shape[1], 4)
+
+    def decode(self, tgt_in, memory, src_ids):
+        scores = torch.full((tgt_in.shape[0], tgt_in.shape[1], 10), float("-inf"))
+        scores[:, :, 5] = 0.0
+        return scores
+
+
+def test_greedy_ends_a_row_that_ngram_blocking_leaves_without_a_token():
+    """Piece 5 twice, then a third 5 would repeat the bigram "5 5": nothing is left, and the summary ends."""
+    s = settings(min_len=0, max_len=6, no_repeat_ngram=2)
+    assert greedy(OnlyOnePiece(), torch.tensor([[7, 8, 9]]), s, use_cache=False) == [[5, 5]]
+
+
+def test_greedy_never_writes_pad_or_a_repeated_ngram(lexicon_and_model):
+    _, _, lex, m, src, _ = lexicon_and_model
+    for n in (2, 3):
+        s = settings(max_len=24, known_words=True, no_repeat_words=True, no_repeat_ngram=n)
+        for hyp in greedy(m, src, s, lex):
+            grams = list(zip(*(hyp[i:] for i in range(n)), strict=False))
+            assert PAD not in hyp and len(grams) == len(set(grams)), hyp

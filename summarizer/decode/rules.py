@@ -78,6 +78,14 @@ class Rules:
             self.words.select(rows, sentences)
 
 
+def best_tokens(log_probs: Tensor) -> Tensor:
+    """(R, V) scores -> (R,) greedy's next tokens: each row's best, or EOS where the rules left it none (n-gram
+    blocking can take the only piece the word rules allowed): the row ends there, its unfinished word cut, rather
+    than emitting a token it may not (an argmax over nothing but -inf picks PAD, which also dodges the n-gram)."""
+    best, tokens = log_probs.max(dim=-1)
+    return torch.where(best == float("-inf"), EOS, tokens)
+
+
 def ended_hypotheses(rows: Tensor, prefixes: Tensor, rules: Rules, end: int | None = None,
                      tags: Tensor | None = None) -> list[tuple]:
     """(E,) rows whose hypothesis ends now -> (tag, its ids) each: the ids are `prefixes`' columns 1..end (BOS

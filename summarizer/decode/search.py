@@ -21,7 +21,7 @@ from summarizer.config.schema import EvalConfig
 from summarizer.data.batches import pad_sources
 from summarizer.data.tokenizer import BOS, EOS, UNK
 from summarizer.decode.constraints import Lexicon
-from summarizer.decode.rules import Rules, continuing, ended_hypotheses, finalise
+from summarizer.decode.rules import Rules, best_tokens, continuing, ended_hypotheses, finalise
 from summarizer.decode.static import static_search
 from summarizer.model.transformer import Seq2Seq
 
@@ -47,7 +47,7 @@ def greedy(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon | None
     out: list[list[int]] = [[] for _ in range(src_ids.shape[0])]
     for step in range(settings.max_len + 1):
         log_probs = rules.apply(_step(model, prefixes, memory, src_ids, state, 1).to(device), step, prefixes[:, 1:])
-        next_ids = log_probs.argmax(dim=-1)  # (R,)
+        next_ids = best_tokens(log_probs)  # (R,)
         prefixes = torch.cat([prefixes, next_ids[:, None]], dim=1)
         rules.advance(torch.arange(len(next_ids), device=device), next_ids)
         rows = (next_ids == EOS).nonzero().squeeze(1)  # the step's one read from the device, and one if any ended

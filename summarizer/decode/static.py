@@ -21,7 +21,7 @@ from torch import Tensor
 from summarizer.config.schema import EvalConfig
 from summarizer.data.tokenizer import BOS, EOS
 from summarizer.decode.constraints import Lexicon
-from summarizer.decode.rules import Rules, continuing, ended_hypotheses, finalise
+from summarizer.decode.rules import Rules, best_tokens, continuing, ended_hypotheses, finalise
 
 
 @functools.cache
@@ -104,8 +104,8 @@ def static_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
     for step in range(settings.max_len + 1):
         log_probs = rules.apply(step_of(tokens, parents, step).to(device), step, prefixes[:, 1:])  # (R, V)
-        if k == 1:  # greedy: the best token, even where the rules left none (search.greedy's argmax)
-            tokens = log_probs.argmax(dim=-1)
+        if k == 1:  # greedy, as search.greedy
+            tokens = best_tokens(log_probs)
             prefixes = torch.cat([prefixes, tokens[:, None]], dim=1)
             rules.advance(parents, tokens)
             rows = (tokens == EOS).nonzero().squeeze(1)
