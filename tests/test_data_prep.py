@@ -421,7 +421,7 @@ def test_source_tags_put_each_pairs_tag_piece_first_and_untagged_text_gets_the_a
 
     from data_prep import prepare
     from summarizer.data.tokenizer import Tokenizer
-    from summarizer.decode.constraints import Lexicon
+    from summarizer.decode.lexicon import Lexicon
     days = ("monday", "tuesday", "sunday")
     wire = _write_jsonl(tmp_path / "wire.jsonl", [{"source": f"oil prices rose sharply on {day} .",
                                                    "target": "OIL PRICES RISE"} for day in days])
@@ -510,7 +510,7 @@ def test_unpaired_sentences_become_pairs_with_themselves_tagged_and_never_held_o
     tag; meta.json names its tags, the tokenizer gets the mask piece, and valid is held out of pairs only."""
     from data_prep import prepare
     from summarizer.data.tokenizer import Tokenizer
-    from summarizer.decode.constraints import Lexicon
+    from summarizer.decode.lexicon import Lexicon
     days = ("monday", "tuesday", "sunday", "friday")
     news = _write_jsonl(tmp_path / "news.jsonl", [{"source": f"the mayor opened a new park on {day} .",
                                                    "target": "mayor opens park"} for day in days])

@@ -9,7 +9,7 @@ from summarizer.bench import decoding_v1
 from summarizer.config.schema import EvalConfig, ModelConfig, PlacementConfig, SystemConfig
 from summarizer.data.prepared import open_tokenizer, training_words
 from summarizer.data.tokenizer import EOS, PAD, UNK
-from summarizer.decode.constraints import Lexicon
+from summarizer.decode.lexicon import Lexicon
 from summarizer.decode.quantize import decoding_form
 from summarizer.decode.rules import _block_repeats
 from summarizer.decode.search import beam_search, greedy
@@ -182,7 +182,8 @@ def test_punctuation_does_not_make_a_used_word_new(tiny_prepared, known_only):
     none of them may follow ("gold closes higher feb feb."). With known words only the tree refuses the
     word's first piece already (every word under it is used up), so no row spells itself into a dead end;
     with repeats only, a row may spell "feb" again but neither end it nor add punctuation to it."""
-    from summarizer.decode.constraints import Lexicon, WordRules
+    from summarizer.decode.constraints import WordRules
+    from summarizer.decode.lexicon import Lexicon
     tokenizer = open_tokenizer(tiny_prepared)
     lex = Lexicon(tokenizer, {"feb", "feb.", "feb,", "gold"})
     dot, comma = tokenizer.encode("feb.")[-1], tokenizer.encode("feb,")[-1]
@@ -214,8 +215,8 @@ def test_punctuation_does_not_make_a_used_word_new(tiny_prepared, known_only):
 def test_a_rows_word_hash_is_the_hash_of_its_repeat_key(tiny_prepared):
     """The hash a row extends piece by piece equals the hash of Lexicon.repeat_key of the word's pieces, for
     every training word and words of punctuation alone."""
-    from summarizer.decode.constraints import WordRules, text_hash
-    from summarizer.decode.lexicon import lexicon
+    from summarizer.decode.constraints import WordRules
+    from summarizer.decode.lexicon import lexicon, text_hash
     tokenizer, lex = open_tokenizer(tiny_prepared), lexicon(tiny_prepared)
     words = sorted(training_words(tiny_prepared)) + ["--", "-lrb-", "u.s.", "feb.", "(afp)", "...", "'s", "#,###"]
     encoded = [ids for ids in tokenizer.encode_batch(words) if ids and lex.starts_word[ids[0]]]

@@ -9,7 +9,7 @@ import torch
 
 from summarizer import runtime
 from summarizer.config.schema import EvalConfig, ModelConfig, PlacementConfig, SystemConfig
-from summarizer.decode.constraints import Lexicon
+from summarizer.decode.lexicon import Lexicon
 from summarizer.decode.search import beam_search, decode_all, greedy, static_shapes
 from summarizer.decode.static import DecoderStep, static_search
 from summarizer.model.transformer import Seq2Seq, explicit_attention

@@ -6,198 +6,26 @@ or repeat itself ("heavy heavy turnout", "feb feb."). Here every hypothesis carr
 spelling. A piece may only extend it towards a known word that the hypothesis has not used yet (a prefix
 tree over the pieces of every known word, and the words of its source), and the word may only end (at the
 next word start, or EOS) once it is complete and unused. Since every allowed piece keeps an unused word
-within reach, a hypothesis never spells itself into a dead end.
+within reach, a hypothesis never spells itself into a dead end (piece n-gram blocking, applied after these
+rules, can still take a row's last piece: summarizer/decode/rules.py).
 
 Every rule is tensor arithmetic over all the rows of a step at once, in shapes the host knows, with no value
 read back from the device (a GPU never waits on the rules): the tree is stored as sorted edge keys and an
-ancestor table, each row's state (its word's pieces, tree node and text hash, the words it has finished) as
-tensors that beams reorder by indexing. Words are compared by a 62-bit hash of their text
-(two 31-bit polynomial hashes), which a row extends piece by piece. Punctuation at the end of a word does not
+ancestor table (summarizer/decode/lexicon.py), each row's state (its word's pieces, tree node and text hash,
+the words it has finished) as tensors that beams reorder by indexing. Words are compared by a 62-bit hash of
+their text (two 31-bit polynomial hashes), which a row extends piece by piece. Punctuation at the end of a word does not
 make it another word: text normalised without word tokenization keeps "feb." and "cocoa," whole, so words
 are compared by their repeat key, the text without its closing punctuation ("feb." is "feb" again), and a
 finished word uses up every known word of its key.
 """
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable
-
 import numpy as np
 import torch
 from torch import Tensor
 
-from summarizer.data.tokenizer import BOS, EOS, MASK_PIECE, PAD, TAG_PIECE, UNK, Tokenizer
-
-WORD_START = "\u2581"  # SentencePiece's word-start marker
-UNKNOWN_TEXT = "\u2047"  # an UNK piece's text in a word (how SentencePiece writes it)
-HASH_BASE, HASH_P1, HASH_P2 = 1_000_003, 2_147_483_647, 2_147_483_629  # two primes below 2**31
-FEW_CHILDREN = 32  # tree nodes with at most this many children: see Lexicon.wide_children
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def text_hash(text: str) -> tuple[int, int]:
-    """The two polynomial hashes of `text` (code points + 1, base HASH_BASE): the hash of a + b is
-    hash(a) * HASH_BASE**len(b) + hash(b), so a row extends its word's hash piece by piece."""
-    h1 = h2 = 0
-    for ch in text:
-        h1, h2 = (h1 * HASH_BASE + ord(ch) + 1) % HASH_P1, (h2 * HASH_BASE + ord(ch) + 1) % HASH_P2
-    return h1, h2
-
-
-def _combined(h1, h2):
-    """One 62-bit key of the two hashes (ints or int64 tensors)."""
-    return (h1 << 31) | h2
-
-
-class Lexicon:
-    """What the rules need from a tokenizer and a vocabulary of known words: each piece's text, whether it
-    starts a word and its UTF-8 length, and a prefix tree over the pieces of every known word (node 0 is the
-    root), stored as tensors: edges sorted by parent * V + piece, each node's depth and ancestors, whether a
-    word ends there and how many words lie at or under it (`words_below`)."""
-
-    def __init__(self, tokenizer: Tokenizer, known_words: Iterable[str]):
-        pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
-        tag_start, tag_end = TAG_PIECE.split("{}")
-        special = {PAD, UNK, BOS, EOS} | {i for i, p in enumerate(pieces) if tokenizer.sp.is_control(i)
-                                          or (p.startswith(tag_start) and p.endswith(tag_end))  # source tags
-                                          or p == MASK_PIECE}  # denoising input only
-        self.vocab_size = v = len(pieces)
-        self.starts_word = [p.startswith(WORD_START) and i not in special for i, p in enumerate(pieces)]
-        self.text = ["" if i in special else p.replace(WORD_START, "") for i, p in enumerate(pieces)]
-        # A character outside the vocabulary is an UNK piece inside its word: a source word holding one may be
-        # copied whole (the UNK written back as the source's own character: evaluate.summary_text), never
-        # spelled without it, and no known word holds one.
-        self.text[UNK] = UNKNOWN_TEXT
-        # (V,) pieces inside a word that write only punctuation: closing a word, left out of its repeat key
-        self.punct_inside = [bool(t) and i != UNK and not self.starts_word[i] and not any(c.isalnum() or c == "#"
-                                                                                         for c in t)
-                             for i, t in enumerate(self.text)]
-        self.piece_bytes = torch.tensor([len(p.replace(WORD_START, " ").encode()) if i not in special else 0
-                                         for i, p in enumerate(pieces)], dtype=torch.float32)
-        hashes = [text_hash(t) for t in self.text]
-        self.piece_h1, self.piece_h2 = (torch.tensor([h[k] for h in hashes]) for k in (0, 1))
-        self.piece_pow1, self.piece_pow2 = (torch.tensor([pow(HASH_BASE, len(t), p) for t in self.text])
-                                            for p in (HASH_P1, HASH_P2))
-        self.punct = torch.tensor(self.punct_inside)
-        self.starts = torch.tensor(self.starts_word)  # (V,) pieces that start a word
-        self.has_text = torch.tensor([bool(t) for t in self.text])  # (V,) pieces that write characters
-        parent, piece_into, complete = [-1], [-1], [False]
-        edges: dict[tuple[int, int], int] = {}
-        for ids in tokenizer.encode_batch(sorted(set(known_words))):
-            if not ids or not self.starts_word[ids[0]] or UNK in ids or any(not self.text[i] for i in ids[1:]):
-                continue  # not a word of pieces (a character outside the vocabulary became UNK)
-            node = 0
-            for i in ids:
-                if (node, i) not in edges:
-                    edges[node, i] = len(parent)
-                    parent.append(node)
-                    piece_into.append(i)
-                    complete.append(False)
-                node = edges[node, i]
-            complete[node] = True
-        n = len(parent)
-        self.parent, self.piece_into = torch.tensor(parent), torch.tensor(piece_into)
-        self.complete = torch.tensor(complete)
-        depth = [0] * n
-        for node in range(1, n):  # parents come before their children
-            depth[node] = depth[parent[node]] + 1
-        self.depth = torch.tensor(depth)
-        # ancestors[node, d]: the node's ancestor at depth d (itself at its own depth), -1 below it
-        self.ancestors = torch.full((n, max(depth) + 2), -1, dtype=torch.long)
-        self.ancestors[0, 0] = 0
-        # each node's text and repeat key hashes, extended level by level as WordRules.advance extends a row's
-        hashes = torch.zeros(4, n, dtype=torch.long)
-        for d in range(1, max(depth) + 1):
-            level = (self.depth == d).nonzero().squeeze(1)
-            self.ancestors[level] = self.ancestors[self.parent[level]]
-            self.ancestors[level, d] = level
-            hashes[:, level] = torch.stack(self.extend(*hashes[:, self.parent[level]], self.piece_into[level]))
-        below = np.asarray(complete, dtype=np.int64)
-        for node in range(n - 1, 0, -1):  # children come after their parents
-            below[parent[node]] += below[node]
-        self.words_below = torch.from_numpy(below)
-        keys = sorted((p * v + i, child) for (p, i), child in edges.items())
-        self.edge_key = torch.tensor([k for k, _ in keys], dtype=torch.long)
-        self.edge_child = torch.tensor([c for _, c in keys], dtype=torch.long)
-        self.first_edge = torch.searchsorted(self.edge_key, torch.arange(n + 1) * v)  # (N + 1,) CSR by parent
-        # Each node's children as WordRules.mask allows them in one step: a node with at most FEW_CHILDREN as a
-        # row of that many edges; the few with more (71 of the Gigaword sample's 49,805) as a (V + 1,) bitmap of
-        # their pieces, `wide_children[wide_index[node]]` (row 0: none, for every other node)
-        counts = self.first_edge[1:] - self.first_edge[:-1]
-        wide = (counts > FEW_CHILDREN).nonzero().squeeze(1)
-        wide = wide[wide > 0]  # the root's children are the known starts
-        self.wide_index = torch.zeros(n, dtype=torch.long)
-        self.wide_index[wide] = torch.arange(1, len(wide) + 1)
-        self.wide_children = torch.zeros(len(wide) + 1, v + 1, dtype=torch.bool)
-        for row, node in enumerate(wide.tolist(), start=1):
-            edges = self.edge_child[self.first_edge[node]:self.first_edge[node + 1]]
-            self.wide_children[row, self.piece_into[edges]] = True
-        self.root_child = torch.full((v,), -1, dtype=torch.long)  # (V,) the node a word start leads to
-        roots = self.edge_key < v
-        self.root_child[self.edge_key[roots]] = self.edge_child[roots]
-        self.known_starts = self.root_child >= 0  # (V,) first pieces of known words
-        # (C,) repeat key hashes, sorted, and (C, M) the nodes of each key's known words (-1 after them); a first
-        # entry of hash -1 (no word's) keeps the table non-empty
-        words = self.complete.nonzero().squeeze(1)
-        word_keys = _combined(hashes[2, words], hashes[3, words])
-        keys, members = torch.unique(word_keys, return_counts=True)  # sorted
-        order = torch.argsort(word_keys, stable=True)
-        rank = torch.arange(len(words)) - torch.repeat_interleave(torch.cumsum(members, 0) - members, members)
-        self.class_hash = torch.cat([torch.tensor([-1]), keys])
-        self.class_nodes = torch.full((len(keys) + 1, int(members.max()) if len(keys) else 1), -1, dtype=torch.long)
-        self.class_nodes[1 + torch.repeat_interleave(torch.arange(len(keys)), members), rank] = words[order]
-        self._on: dict[torch.device, Lexicon] = {}
-
-    def extend(self, f1: Tensor, f2: Tensor, k1: Tensor, k2: Tensor, pieces: Tensor) -> tuple[Tensor, ...]:
-        """A word's text hashes (f1, f2) and repeat key hashes (k1, k2) after one more piece: the key is the
-        text up to its last piece that is not punctuation (or its first piece; an empty text hashes to 0, and
-        a non-empty one to 0 twice with probability ~1e-19)."""
-        f1 = (f1 * self.piece_pow1[pieces] + self.piece_h1[pieces]) % HASH_P1
-        f2 = (f2 * self.piece_pow2[pieces] + self.piece_h2[pieces]) % HASH_P2
-        keyed = ~(self.punct[pieces] & ((k1 != 0) | (k2 != 0)))
-        return f1, f2, torch.where(keyed, f1, k1), torch.where(keyed, f2, k2)
-
-    def key_nodes(self, hashes: Tensor) -> Tensor:
-        """(R,) repeat key hashes -> (R, M) the tree nodes of the known words with each key (-1 after them),
-        M the most any key has (at least 1)."""
-        at = torch.searchsorted(self.class_hash, hashes).clamp(max=len(self.class_hash) - 1)
-        return torch.where((self.class_hash[at] == hashes)[:, None], self.class_nodes[at], -1)
-
-    def is_word(self, nodes: Tensor) -> Tensor:
-        """Which of the tree `nodes` (-1: off the tree) end a known word."""
-        return (nodes >= 0) & self.complete[nodes.clamp(min=0)]
-
-    def on(self, device: torch.device) -> Lexicon:
-        """This lexicon with its tensors on `device` (made once per device)."""
-        if device.type == "cpu":
-            return self
-        if device not in self._on:
-            moved = object.__new__(Lexicon)
-            moved.__dict__ = {k: (t.to(device) if isinstance(t, Tensor) else t) for k, t in self.__dict__.items()}
-            self._on[device] = moved
-        return self._on[device]
-
-    def repeat_key(self, pieces: list[int]) -> str:
-        """What a word of `pieces` is compared by: its text without the punctuation pieces at its end, unless
-        that would leave nothing ("feb." and "feb," are "feb"; "u.s." is "u.s"; "#,###" stays; "--" is "-")."""
-        key = text = ""
-        for p in pieces:
-            text += self.text[p]
-            key = key if key and self.punct_inside[p] else text
-        return key
-
-    def source_words(self, src_ids: list[int]) -> list[tuple[list[int], str]]:
-        """A source's words: (pieces, repeat key) each, in order; a word holding a piece that writes nothing
-        after its first is left out."""
-        words, word = [], []
-        for i in [*src_ids, None]:
-            if (i is None or self.starts_word[i]) and word:
-                if all(self.text[p] for p in word[1:]):
-                    words.append((word, self.repeat_key(word)))
-                word = []
-            if i is not None and (self.text[i] or self.starts_word[i]):
-                word.append(i)
-        return words
+from summarizer.data.tokenizer import EOS
+from summarizer.decode.lexicon import FEW_CHILDREN, Lexicon, combined, text_hash
 
 
 def _both(rows: Tensor, pieces: Tensor) -> Tensor:
@@ -228,7 +56,7 @@ class WordRules:
         hashes = np.full((len(sources), most), -1, dtype=np.int64)
         for b, ws in enumerate(words):
             for w, (ids, text) in enumerate(ws):
-                pieces[b, w, :len(ids)], lengths[b, w], hashes[b, w] = ids, len(ids), _combined(*text_hash(text))
+                pieces[b, w, :len(ids)], lengths[b, w], hashes[b, w] = ids, len(ids), combined(*text_hash(text))
         dev = lex.starts.device
         # (B, W, L) each sentence's words' pieces (-1 after a word's end), (B, W) their lengths and text hashes
         self.src_pieces, self.src_len, self.src_hash = (torch.from_numpy(a).to(dev) for a in (pieces, lengths, hashes))
@@ -269,7 +97,7 @@ class WordRules:
         begun = self.length > 0
         ok = torch.ones_like(begun)
         if self.no_repeat:
-            ok &= ~self._finished_has(_combined(self.h1, self.h2)[:, None])[:, 0]
+            ok &= ~self._finished_has(combined(self.h1, self.h2)[:, None])[:, 0]
         if self.known_only:
             _, lengths, _, match = source or self._source_view()
             ok &= self.lex.is_word(self.node) | (match & (lengths == self.length[:, None])).any(dim=1)
@@ -279,7 +107,7 @@ class WordRules:
     def _repeating(self) -> Tensor:
         """(R,) is the word each row is spelling, with some text so far, one the row has finished already?"""
         has_text = (self.h1 != 0) | (self.h2 != 0)
-        return has_text & self._finished_has(_combined(self.h1, self.h2)[:, None])[:, 0]
+        return has_text & self._finished_has(combined(self.h1, self.h2)[:, None])[:, 0]
 
     def cut(self, rows: Tensor) -> Tensor:
         """(E,) rows that end -> how many pieces to drop from the end of each one's hypothesis: the word it is
@@ -311,7 +139,7 @@ class WordRules:
         # (R, V + 1): the last column takes the pieces of entries that allow or forbid none
         allowed = _both(ends, torch.cat([lex.known_starts, lex.known_starts.new_zeros(1)]))
         allowed[:, EOS] |= ends
-        word_hash = _combined(self.h1, self.h2)
+        word_hash = combined(self.h1, self.h2)
         fresh = ~self._finished_has(hashes) if self.no_repeat else torch.ones_like(match)  # (R, W) source words
         if self.no_repeat:  # a known start whose words are all used (this one's key included) is taken away
             used = torch.cat([self.used, torch.where(begun[:, None], lex.key_nodes(word_hash), -1)], dim=1)
@@ -362,7 +190,7 @@ class WordRules:
         start = lex.starts[tokens]
         inside = lex.has_text[tokens] & ~start  # a piece inside the word
         ending = start & (length > 0)  # rows whose word is finished by a new one
-        ended = _combined(h1, h2)
+        ended = combined(h1, h2)
         self.finished = torch.cat([self.finished[parents], torch.where(ending, ended, -1)[:, None]], dim=1)
         # every known word of the ended word's key is used up
         self.used = torch.cat([self.used[parents], torch.where(ending[:, None], lex.key_nodes(ended), -1)], dim=1)

@@ -8,7 +8,8 @@ from torch import Tensor
 
 from summarizer.config.schema import EvalConfig
 from summarizer.data.tokenizer import BOS, EOS, PAD
-from summarizer.decode.constraints import Lexicon, WordRules
+from summarizer.decode.constraints import WordRules
+from summarizer.decode.lexicon import Lexicon
 
 
 def _block_repeats(log_probs: Tensor, prefixes: Tensor, n: int) -> Tensor:

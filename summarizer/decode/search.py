@@ -20,7 +20,7 @@ from summarizer import runtime
 from summarizer.config.schema import EvalConfig
 from summarizer.data.batches import pad_sources
 from summarizer.data.tokenizer import BOS, EOS, UNK
-from summarizer.decode.constraints import Lexicon
+from summarizer.decode.lexicon import Lexicon
 from summarizer.decode.rules import Rules, best_tokens, continuing, ended_hypotheses, finalise
 from summarizer.decode.static import static_search
 from summarizer.model.transformer import Seq2Seq

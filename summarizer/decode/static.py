@@ -20,7 +20,7 @@ from torch import Tensor
 
 from summarizer.config.schema import EvalConfig
 from summarizer.data.tokenizer import BOS, EOS
-from summarizer.decode.constraints import Lexicon
+from summarizer.decode.lexicon import Lexicon
 from summarizer.decode.rules import Rules, best_tokens, continuing, ended_hypotheses, finalise
 
 
