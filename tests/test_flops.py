@@ -4,7 +4,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from summarizer.config.schema import ModelConfig
-from summarizer.model.transformer import Seq2Seq, explicit_attention
+from summarizer.model.attention import explicit_attention
+from summarizer.model.transformer import Seq2Seq
 from summarizer.train.watch.flops import batch_flops, forward_flops
 
 

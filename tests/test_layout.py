@@ -24,7 +24,8 @@ LAYERS = (
 TOOLS = ("bench", "harness")  # rooms the core may not import
 SEARCHES = {"greedy", "beam_search", "static_search", "decode_batch"}  # only decode/search.py calls these
 MODEL_BUILDERS = ("train/session.py", "model/checkpoint.py")  # the two places a Seq2Seq is built
-PURE = ("model/transformer.py", "model/dropout.py")  # the model's math: no device, precision or distributed code
+# the model's math: no device, precision or distributed code
+PURE = ("model/transformer.py", "model/attention.py", "model/dropout.py")
 # Names the model may not use: any holding one of these parts, in any case (is_autocast_enabled,
 # DistributedDataParallel), and "amp" as a whole name (it is part of clamp).
 MODEL_FORBIDDEN_PARTS = ("cuda", "autocast", "distributed", "gradscaler")
@@ -231,6 +232,7 @@ TESTED_BY = {
     "data/subwords.py": ["test_subwords.py"],
     "data/noise.py": ["test_noise.py"],
     "model/transformer.py": ["test_model.py"],
+    "model/attention.py": ["test_model.py"],
     "model/dropout.py": ["test_dropout.py"],
     "model/checkpoint.py": ["test_checkpoint.py"],
     "runtime/device.py": ["test_runtime.py"],

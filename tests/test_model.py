@@ -126,7 +126,7 @@ def test_lean_variant_drops_every_bias_but_the_gate_and_uses_relu():
 
 @pytest.mark.parametrize("copy", [False, True])
 def test_explicit_attention_computes_what_sdpa_does(copy):
-    from summarizer.model.transformer import explicit_attention
+    from summarizer.model.attention import explicit_attention
     model = tiny_model(copy)
     src, tgt = torch.randint(4, 50, (3, 9)), torch.randint(4, 50, (3, 6))
     src[0, 5:] = 0
@@ -146,7 +146,7 @@ def test_explicit_attention_computes_what_sdpa_does(copy):
 
 
 def test_explicit_attention_survives_a_fully_masked_row():
-    from summarizer.model.transformer import attention_explicit
+    from summarizer.model.attention import attention_explicit
     q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     out = attention_explicit(q, k, v, torch.zeros(1, 1, 1, 5, dtype=torch.bool), False, 0.0)
     assert torch.isfinite(out).all()

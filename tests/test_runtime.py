@@ -77,7 +77,7 @@ def test_setup_flushes_denormals_when_asked():
 
 @pytest.mark.parametrize("backend,explicit", [("auto", True), ("explicit", True), ("math", False), ("default", False)])
 def test_cpu_attention_kernel_choice(backend, explicit):
-    from summarizer.model.transformer import _EXPLICIT_ATTENTION
+    from summarizer.model.attention import _EXPLICIT_ATTENTION
     rt = runtime.setup(SystemConfig(device="cpu", sdpa_backend=backend), PlacementConfig(), "fp32")
     with rt.compute():
         assert _EXPLICIT_ATTENTION.get() is explicit

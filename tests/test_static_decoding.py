@@ -12,7 +12,8 @@ from summarizer.config.schema import EvalConfig, ModelConfig, PlacementConfig, S
 from summarizer.decode.lexicon import Lexicon
 from summarizer.decode.search import beam_search, decode_all, greedy, static_shapes
 from summarizer.decode.static import DecoderStep, static_search
-from summarizer.model.transformer import Seq2Seq, explicit_attention
+from summarizer.model.attention import explicit_attention
+from summarizer.model.transformer import Seq2Seq
 from summarizer.runtime import Runtime
 
 PLAIN = EvalConfig(max_len=12, known_words=False, no_repeat_words=False, no_repeat_ngram=0)

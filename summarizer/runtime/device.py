@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from summarizer.config.schema import PlacementConfig, SystemConfig
 from summarizer.errors import ConfigError
-from summarizer.model.transformer import explicit_attention
+from summarizer.model.attention import explicit_attention
 
 
 @dataclass
