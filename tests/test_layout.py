@@ -154,8 +154,7 @@ def test_the_package_keeps_its_layout():
 
 def test_every_decoding_command_calls_decode_all():
     trees = modules(PACKAGE)
-    for path in ("evaluation/evaluate.py", "train/validation.py", "overfit.py", "summarize.py", "bench/run.py",
-                 "bench/decoding.py"):
+    for path in ("evaluation/evaluate.py", "train/validation.py", "overfit.py", "summarize.py", "bench/decoding.py"):
         assert calls(trees[f"summarizer/{path}"], "decode_all"), path
 
 

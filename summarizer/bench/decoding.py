@@ -7,7 +7,6 @@ import copy
 import dataclasses
 import functools
 import io
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,9 +16,10 @@ import torch
 
 from summarizer import runtime
 from summarizer.bench import decoding_v1
+from summarizer.bench.training import stats
 from summarizer.config.schema import Config
-from summarizer.data.batches import pad_sources
-from summarizer.data.prepared import load_split, open_tokenizer, read_meta, read_pairs
+from summarizer.data.batches import PairDataset, pad_sources
+from summarizer.data.prepared import load_split, open_tokenizer, read_meta, read_pairs, valid_split
 from summarizer.decode.lexicon import lexicon
 from summarizer.decode.quantize import decoding_form, decoding_precision, resolve_quantize
 from summarizer.decode.search import decode_all
@@ -84,7 +84,7 @@ def alternate(variants: dict[str, Callable[[], list]], cfg: Config, count: int) 
             outputs[name] = variants[name]()
             if repeat >= cfg.bench.warmup:
                 rates[name].append(count / (time.perf_counter() - started))
-    summary = {k: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)} for k, v in rates.items()}
+    summary = {k: stats(v) for k, v in rates.items()}
     return summary, outputs
 
 
@@ -125,6 +125,25 @@ def decode_row(cfg: Config, beam: int, against: str) -> dict:
         result[side]["rouge1"] = rouge_report([tokenizer.decode(h) for h in hyps], references, 0)["rouge1"]["f"]
     result["same_outputs"] = outputs["on"] == outputs["off"]
     return result
+
+
+def decode_rate(cfg: Config, use_cache: bool) -> dict:
+    """Beam-4 sentences/s on the first `bench.decode_sentences` valid (or train) sources."""
+    rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
+    torch.manual_seed(cfg.train.seed)
+    meta = read_meta(cfg.data.dir)
+    model = build(cfg, rt, meta)[0]
+    ds = PairDataset.from_dir(cfg.data.dir, valid_split(meta, speed_only=True), cfg.data)
+    n = min(cfg.bench.decode_sentences, len(ds), 64)  # recomputing every prefix is slow
+    sources = [ds[i][0] for i in range(n)]
+    settings = dataclasses.replace(cfg.eval, beam_size=4)
+    rates = []
+    for repeat in range(cfg.bench.warmup + cfg.bench.repeats):
+        started = time.perf_counter()
+        decode_all(model, sources, settings, rt, lexicon=lexicon(cfg.data.dir), use_cache=use_cache)
+        if repeat >= cfg.bench.warmup:
+            rates.append(n / (time.perf_counter() - started))
+    return stats(rates)
 
 
 def summarize_row(cfg: Config) -> dict:

@@ -44,7 +44,7 @@ def test_every_timing_row_measures_on_and_off(cfg):
 
 
 def test_training_rows_alternate_their_repeats(cfg, monkeypatch):
-    import summarizer.bench.run as bench
+    import summarizer.bench.training as bench
     order, real_repeat = [], bench.TrainingProbe.repeat
     monkeypatch.setattr(bench.TrainingProbe, "repeat",
                         lambda self: (order.append(self.cfg.model.activation), real_repeat(self))[1])
@@ -156,7 +156,7 @@ def test_16_bit_decoding_row_runs_on_any_cpu(cfg, precision):
 def test_second_epoch_rows_take_probe_options_and_alternate_fresh_processes(cfg):
     """The steady-state form of a row (the GPU's AMP rows and naive_vs_default there): each side trains an epoch
     unmeasured in its own process first, with its probe options (fixed-size batches, a sync every step)."""
-    from summarizer.bench.run import second_epoch_rates
+    from summarizer.bench.training import second_epoch_rates
     cfg.bench.repeats = 1
     result = second_epoch_rates((cfg, {}), (cfg, {"fixed_batches": True, "item_every_step": True}))
     for side in ("on", "off"):
