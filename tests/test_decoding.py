@@ -15,22 +15,12 @@ from summarizer.decode.rules import _block_repeats
 from summarizer.decode.search import beam_search, greedy
 from summarizer.model.transformer import Seq2Seq
 from summarizer.runtime import Runtime
-
-PLAIN = EvalConfig(max_len=12, known_words=False, no_repeat_words=False, no_repeat_ngram=0)
-
-
-def settings(**kw) -> EvalConfig:
-    return dataclasses.replace(PLAIN, **kw)
+from tests.decoding_models import PLAIN, padded, settings, sharp_model, word_rules_model
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = ModelConfig(d_model=32, n_heads=4, encoder_layers=1, decoder_layers=2, ffn_dim=64, dropout=0.0)
-    m = Seq2Seq(cfg, 40).eval()
-    with torch.no_grad():  # a sharper random model: varied, non-trivial outputs
-        m.embedding.weight.mul_(4.0)
-    return m
+    return sharp_model()
 
 
 @pytest.fixture(scope="module")
@@ -109,18 +99,10 @@ def test_ngram_blocking_blocks():
 
 @pytest.fixture(scope="module")
 def lexicon_and_model(tiny_prepared):
-    tokenizer = open_tokenizer(tiny_prepared)
-    known = set(sorted(training_words(tiny_prepared))[::3])  # a third of the training words
-    lex = Lexicon(tokenizer, known)
-    torch.manual_seed(5)
-    m = Seq2Seq(ModelConfig(d_model=32, n_heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=64, dropout=0.0),
-                tokenizer.vocab_size).eval()
-    with torch.no_grad():
-        m.embedding.weight.mul_(3.0)
+    tokenizer, known, lex, m = word_rules_model(tiny_prepared)
     texts = ["the government of france said monday it would cut fuel taxes .",
              "zorblatt corp shares fell sharply on friday after a profit warning ."]
-    src = torch.nn.utils.rnn.pad_sequence([torch.tensor(tokenizer.encode(t)) for t in texts], batch_first=True)
-    return tokenizer, known, lex, m, src, texts
+    return tokenizer, known, lex, m, padded(tokenizer, texts), texts
 
 
 @pytest.mark.parametrize("beam", [1, 4])
@@ -183,7 +165,6 @@ def test_punctuation_does_not_make_a_used_word_new(tiny_prepared, known_only):
     word's first piece already (every word under it is used up), so no row spells itself into a dead end;
     with repeats only, a row may spell "feb" again but neither end it nor add punctuation to it."""
     from summarizer.decode.constraints import WordRules
-    from summarizer.decode.lexicon import Lexicon
     tokenizer = open_tokenizer(tiny_prepared)
     lex = Lexicon(tokenizer, {"feb", "feb.", "feb,", "gold"})
     dot, comma = tokenizer.encode("feb.")[-1], tokenizer.encode("feb,")[-1]

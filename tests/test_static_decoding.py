@@ -8,19 +8,13 @@ import pytest
 import torch
 
 from summarizer import runtime
-from summarizer.config.schema import EvalConfig, ModelConfig, PlacementConfig, SystemConfig
-from summarizer.decode.lexicon import Lexicon
+from summarizer.config.schema import EvalConfig, PlacementConfig, SystemConfig
 from summarizer.decode.search import beam_search, decode_all, greedy, static_shapes
 from summarizer.decode.static import DecoderStep, static_search
 from summarizer.model.attention import explicit_attention
 from summarizer.model.transformer import Seq2Seq
 from summarizer.runtime import Runtime
-
-PLAIN = EvalConfig(max_len=12, known_words=False, no_repeat_words=False, no_repeat_ngram=0)
-
-
-def settings(**kw) -> EvalConfig:
-    return dataclasses.replace(PLAIN, **kw)
+from tests.decoding_models import padded, settings, sharp_model, word_rules_model
 
 
 def eager(model, src, s: EvalConfig, lexicon=None):
@@ -29,12 +23,7 @@ def eager(model, src, s: EvalConfig, lexicon=None):
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    m = Seq2Seq(ModelConfig(d_model=32, n_heads=4, encoder_layers=1, decoder_layers=2, ffn_dim=64, dropout=0.0),
-                40).eval()
-    with torch.no_grad():  # a sharper random model: varied outputs, of varied lengths
-        m.embedding.weight.mul_(4.0)
-    return m
+    return sharp_model()
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +50,9 @@ def test_static_search_equals_the_eager_one(model, sources, beam, n, min_len, ma
 @pytest.mark.parametrize("known, repeats, truncate", [(True, True, 0), (False, True, 0), (True, False, 0),
                                                       (True, True, 40)])
 def test_static_search_equals_the_eager_one_with_word_rules(tiny_prepared, beam, known, repeats, truncate):
-    from summarizer.data.prepared import open_tokenizer, training_words
-    tokenizer = open_tokenizer(tiny_prepared)
-    lex = Lexicon(tokenizer, set(sorted(training_words(tiny_prepared))[::3]))
-    torch.manual_seed(5)
-    m = Seq2Seq(ModelConfig(d_model=32, n_heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=64, dropout=0.0),
-                tokenizer.vocab_size).eval()
-    with torch.no_grad():
-        m.embedding.weight.mul_(3.0)
-    texts = ["the government of france said monday it would cut fuel taxes .",
-             "zorblatt corp shares fell sharply on friday after a profit warning .",
-             "rain ."]
-    src = torch.nn.utils.rnn.pad_sequence([torch.tensor(tokenizer.encode(t)) for t in texts], batch_first=True)
+    tokenizer, _, lex, m = word_rules_model(tiny_prepared)
+    src = padded(tokenizer, ["the government of france said monday it would cut fuel taxes .",
+                             "zorblatt corp shares fell sharply on friday after a profit warning .", "rain ."])
     s = settings(beam_size=beam, max_len=16, min_len=2, no_repeat_ngram=3, known_words=known,
                  no_repeat_words=repeats, truncate_bytes=truncate)
     with explicit_attention():
