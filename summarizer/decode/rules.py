@@ -119,3 +119,31 @@ def continuing(top_scores: Tensor, parents: Tensor, tokens: Tensor, is_eos: Tens
     have to report (of 2K candidates at most K end, so K always continue)."""
     pick = torch.sort(is_eos.to(torch.int8), dim=1, stable=True).indices[:, :k]  # the non-EOS ones, in order
     return top_scores.gather(1, pick), parents.gather(1, pick).reshape(-1), tokens.gather(1, pick).reshape(-1)
+
+
+def greedy_step(log_probs: Tensor, prefixes: Tensor, rules: Rules) -> tuple[Tensor, Tensor, list[tuple]]:
+    """One greedy step over R rows: (the next tokens (R,), the prefixes they extend, and (row, ids) of each row
+    that ended now). One read from the device, and one more when a row ended."""
+    tokens = best_tokens(log_probs)
+    prefixes = torch.cat([prefixes, tokens[:, None]], dim=1)
+    rules.advance(torch.arange(len(tokens), device=tokens.device), tokens)
+    rows = (tokens == EOS).nonzero().squeeze(1)
+    return tokens, prefixes, ended_hypotheses(rows, prefixes, rules, end=-1) if rows.numel() else []
+
+
+def beam_step(log_probs: Tensor, scores: Tensor, width: int, k: int, prefixes: Tensor, rules: Rules,
+              finished: list, alive: list[int], length_penalty: float) -> tuple[Tensor, ...]:
+    """One beam step over n sentences of `width` rows each: scores extended, the EOS candidates ranked within the
+    top K finalised (into `finished`), the K best others continued. (scores (n, K), parents (n * K,), tokens
+    (n * K,), the prefixes they extend); the rules follow the rows."""
+    n, vocab = scores.shape[0], log_probs.shape[-1]
+    candidates = log_probs.add_(scores.view(-1, 1)).reshape(n, width * vocab)
+    top_scores, top_index = candidates.topk(2 * k, dim=-1)  # (n, 2K): at most K of them end in EOS
+    beam, token = top_index // vocab, top_index % vocab
+    is_eos = (token == EOS) & torch.isfinite(top_scores)
+    parents = torch.arange(n, device=scores.device)[:, None] * width + beam  # (n, 2K) the row each extends
+    finalise(finished, alive, prefixes, top_scores, parents, is_eos, k, length_penalty, rules)
+    scores, parents, tokens = continuing(top_scores, parents, token, is_eos, k)  # the K best non-EOS ones
+    prefixes = torch.cat([prefixes[parents], tokens[:, None]], dim=1)
+    rules.advance(parents, tokens, group=k)
+    return scores, parents, tokens, prefixes

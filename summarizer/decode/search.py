@@ -19,9 +19,9 @@ from tqdm import tqdm
 from summarizer import runtime
 from summarizer.config.schema import EvalConfig
 from summarizer.data.batches import pad_sources
-from summarizer.data.tokenizer import BOS, EOS, UNK
+from summarizer.data.tokenizer import BOS, UNK
 from summarizer.decode.lexicon import Lexicon
-from summarizer.decode.rules import Rules, best_tokens, continuing, ended_hypotheses, finalise
+from summarizer.decode.rules import Rules, beam_step, greedy_step
 from summarizer.decode.static import static_search
 from summarizer.model.transformer import Seq2Seq
 
@@ -47,13 +47,10 @@ def greedy(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon | None
     out: list[list[int]] = [[] for _ in range(src_ids.shape[0])]
     for step in range(settings.max_len + 1):
         log_probs = rules.apply(_step(model, prefixes, memory, src_ids, state, 1).to(device), step, prefixes[:, 1:])
-        next_ids = best_tokens(log_probs)  # (R,)
-        prefixes = torch.cat([prefixes, next_ids[:, None]], dim=1)
-        rules.advance(torch.arange(len(next_ids), device=device), next_ids)
-        rows = (next_ids == EOS).nonzero().squeeze(1)  # the step's one read from the device, and one if any ended
-        if rows.numel():
+        _, prefixes, ended_now = greedy_step(log_probs, prefixes, rules)
+        if ended_now:
             ended = set()
-            for row, ids in ended_hypotheses(rows, prefixes, rules, end=-1):
+            for row, ids in ended_now:
                 out[alive[row]] = ids
                 ended.add(row)
             if len(ended) == len(alive):
@@ -89,17 +86,9 @@ def beam_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon |
     for step in range(settings.max_len + 1):
         log_probs = _step(model, prefixes, memory, src_ids, state, width).to(device)
         log_probs = rules.apply(log_probs, step, prefixes[:, 1:])  # (R, V)
-        n, vocab = scores.shape[0], log_probs.shape[-1]
-        candidates = log_probs.add_(scores.view(-1, 1)).reshape(n, width * vocab)
-        top_scores, top_index = candidates.topk(2 * k, dim=-1)  # (n, 2K): at most K of them end in EOS
-        beam, token = top_index // vocab, top_index % vocab
-        is_eos = (token == EOS) & torch.isfinite(top_scores)
-        parents = torch.arange(n, device=device)[:, None] * width + beam  # (n, 2K) the row each extends
-        finalise(finished, alive, prefixes, top_scores, parents, is_eos, k, settings.length_penalty, rules)
-        scores, parents, tokens = continuing(top_scores, parents, token, is_eos, k)  # the K best non-EOS ones
+        scores, parents, _, prefixes = beam_step(log_probs, scores, width, k, prefixes, rules, finished, alive,
+                                                 settings.length_penalty)
         width = k
-        prefixes = torch.cat([prefixes[parents], tokens[:, None]], dim=1)
-        rules.advance(parents, tokens, group=k)
         if state is not None:
             model.reorder(state, parents, group=k)
         kept = [b for b, i in enumerate(alive) if len(finished[i]) < k]

@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from summarizer.config.schema import EvalConfig
-from summarizer.data.tokenizer import BOS, EOS
+from summarizer.data.tokenizer import BOS
 from summarizer.decode.lexicon import Lexicon
-from summarizer.decode.rules import Rules, best_tokens, continuing, ended_hypotheses, finalise
+from summarizer.decode.rules import Rules, beam_step, greedy_step
 
 
 @functools.cache
@@ -95,7 +95,6 @@ def static_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon
     state = model.start_decoding(model.encode(src_ids), src_ids, group=k, capacity=settings.max_len + 1)
     step_of = DecoderStep(model, state)
     rules = Rules(src_ids, k, settings, lexicon)
-    sentences = torch.arange(batch, device=device)
     alive = list(range(batch))
     prefixes = torch.full((rows, 1), BOS, dtype=torch.long, device=device)
     tokens, parents = prefixes[:, 0], torch.arange(rows, device=device)
@@ -104,28 +103,14 @@ def static_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
     for step in range(settings.max_len + 1):
         log_probs = rules.apply(step_of(tokens, parents, step).to(device), step, prefixes[:, 1:])  # (R, V)
-        if k == 1:  # greedy, as search.greedy
-            tokens = best_tokens(log_probs)
-            prefixes = torch.cat([prefixes, tokens[:, None]], dim=1)
-            rules.advance(parents, tokens)
-            rows = (tokens == EOS).nonzero().squeeze(1)
-            if rows.numel():
-                for row, ids in ended_hypotheses(rows, prefixes, rules, end=-1):
-                    if not finished[row]:
-                        finished[row].append((0.0, ids))
-            if all(finished):
-                break
-            continue
-        vocab = log_probs.shape[-1]
-        candidates = log_probs.add_(scores.view(-1, 1)).reshape(batch, k * vocab)
-        top_scores, top_index = candidates.topk(2 * k, dim=-1)  # (B, 2K): at most K of them end in EOS
-        beam, token = top_index // vocab, top_index % vocab
-        is_eos = (token == EOS) & torch.isfinite(top_scores)
-        parents = sentences[:, None] * k + beam  # (B, 2K) the row each extends
-        finalise(finished, alive, prefixes, top_scores, parents, is_eos, k, settings.length_penalty, rules)
-        scores, parents, tokens = continuing(top_scores, parents, token, is_eos, k)
-        prefixes = torch.cat([prefixes[parents], tokens[:, None]], dim=1)
-        rules.advance(parents, tokens, group=k)
+        if k == 1:  # greedy, as search.greedy; a finished sentence keeps its first ending
+            tokens, prefixes, ended_now = greedy_step(log_probs, prefixes, rules)
+            for row, ids in ended_now:
+                if not finished[row]:
+                    finished[row].append((0.0, ids))
+        else:
+            scores, parents, tokens, prefixes = beam_step(log_probs, scores, k, k, prefixes, rules, finished, alive,
+                                                          settings.length_penalty)
         if all(len(f) >= k for f in finished):
             break
     return [max(f, key=lambda item: item[0])[1] if f else [] for f in finished]
