@@ -461,3 +461,20 @@ def test_greedy_never_writes_pad_or_a_repeated_ngram(lexicon_and_model):
         for hyp in greedy(m, src, s, lex):
             grams = list(zip(*(hyp[i:] for i in range(n)), strict=False))
             assert PAD not in hyp and len(grams) == len(set(grams)), hyp
+
+
+def test_a_finished_hypothesis_is_scored_by_its_length_as_searched_before_its_cut_word():
+    """At max_len a hypothesis may end inside a word, which is cut; its length penalty counts what was searched
+    (EOS included), so a cut does not raise its score above the hypotheses it was ranked against."""
+    from summarizer.data.tokenizer import BOS
+    from summarizer.decode.rules import finalise
+
+    class Cuts:  # a Rules stand-in: row 0's last word (2 pieces) may not end, row 1's may
+        def cuts(self, rows):
+            return torch.tensor([2, 0])[rows]
+
+    prefixes = torch.tensor([[BOS, 5, 6, 7], [BOS, 5, 6, 8]])  # 3 tokens searched, then EOS
+    finished = [[]]
+    finalise(finished, [0], prefixes, torch.tensor([[-1.0, -2.0]]), torch.tensor([[0, 1]]),
+             torch.tensor([[True, True]]), 2, 1.0, Cuts())
+    assert finished == [[(-1.0 / 4, [5]), (-2.0 / 4, [5, 6, 8])]]

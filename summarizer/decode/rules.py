@@ -107,10 +107,11 @@ def finalise(finished: list, alive: list[int], prefixes: Tensor, top_scores: Ten
     if not rows.numel():
         return
     ended = ended_hypotheses(parents[rows, cols], prefixes, rules, tags=rows)
+    searched = prefixes.shape[1]  # every hypothesis' length as searched, EOS included (before any cut word)
     for (row, hyp), score in zip(ended, top_scores[rows, cols].tolist(), strict=True):
         b = alive[row]
-        if len(finished[b]) < k:  # the score counts the length as searched, before any cut word
-            finished[b].append((score / (len(hyp) + 1) ** length_penalty, hyp))
+        if len(finished[b]) < k:
+            finished[b].append((score / searched ** length_penalty, hyp))
 
 
 def continuing(top_scores: Tensor, parents: Tensor, tokens: Tensor, is_eos: Tensor, k: int) -> tuple[Tensor, ...]:
