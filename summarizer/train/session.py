@@ -28,6 +28,7 @@ from summarizer.model.transformer import Seq2Seq, count_parameters
 from summarizer.outputs import claim_dir, claim_events_dir, hold_lock, release_lock
 from summarizer.runtime import Runtime
 from summarizer.runtime.placement import place_model
+from summarizer.train import precision
 from summarizer.train.optim import build_optimizer, build_scheduler
 from summarizer.train.watch import spikes
 from summarizer.train.watch.monitor import Monitor, read_manifest, write_manifest
@@ -210,6 +211,8 @@ def open_session(cfg: Config) -> Session:
         lock = hold_lock(cfg.run_dir, "run.dir")  # held until the run's process ends: one run per run dir
         claim_events_dir(cfg.tensorboard_dir, cfg.run_dir)
     state, changes = resume_state(cfg, meta)
+    kept = precision.recorded(state["progress"], cfg.train.precision, rt) if state else None
+    rt.precision = kept or rt.precision  # a resumed run keeps the precision its probe chose on this kind of GPU
     model, optimizer, scaler = build(cfg, rt, meta, state, init)
     ema = build_ema(model, cfg.train.ema_decay, state, cfg.train.max_steps)
     progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
@@ -232,6 +235,12 @@ def open_session(cfg: Config) -> Session:
                                 shuffle=True, seed=cfg.train.seed, rank=rt.rank, world_size=rt.world_size,
                                 pad_multiple=cfg.data.pad_multiple,
                                 weights=source_weights(cfg.data, meta, len(train_ds)))
+    probed = None
+    if precision.candidates(cfg.train.precision, rt) and kept is None:
+        probed = progress["precision_probe"] = precision.choose(model, train_ds, sampler, cfg.data.pad_multiple,
+                                                                rt, cfg.train)
+        if probed["precision"] != rt.precision:
+            rt.precision, scaler = probed["precision"], runtime.make_scaler(rt)
     manifest = read_manifest(cfg.run_dir)
     skip, rollbacks = spikes.skipped(manifest, cfg.train), manifest.get("spike_rollbacks", [])
     train_loader = make_loader(train_ds, sampler, cfg.data, rt.device, cfg.train.seed)
@@ -243,11 +252,14 @@ def open_session(cfg: Config) -> Session:
         world_size=rt.world_size, even=False, pad_multiple=cfg.data.pad_multiple), cfg.data, rt.device, cfg.train.seed)
     if rt.is_main:
         save_config(cfg, cfg.run_dir / "config.yaml")
-        write_manifest(cfg, cfg.run_dir, rt.devices, rt.precision, meta, rt.world_size, changes)
+        write_manifest(cfg, cfg.run_dir, rt.devices, rt.precision, meta, rt.world_size, changes,
+                       probed or (progress.get("precision_probe") if kept else None))
     monitor = Monitor(cfg, rt.is_main, progress["step"], cfg.train.max_steps)
     monitor.write(f"model {count_parameters(model) / 1e6:.1f}M parameters, precision {rt.precision}, "
                   f"{len(train_ds)} train pairs, {len(valid_ds)} {valid_name} pairs, "
                   f"{'resuming at step ' + str(progress['step']) if progress['step'] else 'starting'}")
+    if probed is not None:
+        monitor.write(precision.describe(probed))
     return Session(cfg, rt, meta, tokenizer, model, optimizer, scheduler, scaler, progress, stream,
                    valid_ds, valid_loader, monitor, progress["step"] > 0, ema, lock, train_loader=train_loader,
                    sampler=sampler, skip=skip, rollbacks=rollbacks)

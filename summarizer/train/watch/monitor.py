@@ -56,9 +56,10 @@ def _git(*args: str) -> str:
 
 
 def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], precision: str,
-                   data_meta: dict, world_size: int, changes: list[dict] = ()) -> dict:
+                   data_meta: dict, world_size: int, changes: list[dict] = (), probe: dict | None = None) -> dict:
     """Everything needed to say later exactly what produced this run's numbers; `changes` (config keys
-    changed on resume: step, key, old, new) are added to those the manifest already records."""
+    changed on resume: step, key, old, new) are added to those the manifest already records; `probe`, the
+    timings that chose `precision` (summarizer/train/precision.py), when a probe did."""
     previous = read_manifest(run_dir)
     history = previous.get("config_changes", [])
     manifest = {
@@ -67,6 +68,7 @@ def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], prec
         "devices": [torch.cuda.get_device_name(d) if d.type == "cuda" else platform.processor() or "cpu"
                     for d in devices],
         "cpu_threads": torch.get_num_threads(), "world_size": world_size, "precision": precision,
+        **({"precision_probe": probe} if probe else {}),
         "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
         "seed": cfg.train.seed, "command": sys.argv,
         "data": {k: data_meta.get(k) for k in ("spm_sha256", "fingerprint", "vocab_size", "splits")},
