@@ -17,6 +17,7 @@ from summarizer.config.schema import Config
 from summarizer.data.batches import PairDataset, TokenBatchSampler, make_loader, padding_fraction
 from summarizer.data.prepared import read_meta
 from summarizer.runtime import move_batch
+from summarizer.train import precision
 from summarizer.train.loop import train_step
 from summarizer.train.session import batches_forever, build
 from summarizer.train.watch.flops import batch_flops
@@ -63,6 +64,10 @@ class TrainingProbe:
                                      seed=cfg.train.seed, pad_multiple=cfg.data.pad_multiple)
         sampler = FixedSizeSampler(len(ds), max(1, round(len(ds) / len(bucketed.plan(0)))), cfg.train.seed) \
             if fixed_batches else bucketed
+        if precision.candidates(cfg.train.precision, self.rt):  # auto on a GPU: what `make train` would choose
+            self.rt.precision = precision.choose(model, ds, bucketed, cfg.data.pad_multiple, self.rt,
+                                                 cfg.train)["precision"]
+            self.scaler = runtime.make_scaler(self.rt)
         first_epoch = sampler.plan(0)
         self.padding = padding_fraction(first_epoch, ds.src_lens, ds.tgt_lens)
         self.epoch_steps = len(first_epoch)

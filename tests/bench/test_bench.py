@@ -175,3 +175,22 @@ def test_pad_multiple_row_pads_to_what_the_device_wants(cfg, monkeypatch, device
     from summarizer import runtime
     monkeypatch.setattr(runtime, "resolve_device", lambda name: torch.device(device))
     assert f"multiples of {multiple} vs unpadded" in rows(cfg)["pad_multiple"][0]
+
+
+def test_the_default_variant_trains_in_the_precision_make_train_would_choose(cfg, monkeypatch):
+    """On a GPU `train.precision=auto` is a probe's choice (summarizer/train/precision.py); the bench's default
+    variant makes the same choice, stood in for here by the probe's GPU branch on the CPU, timed to choose the
+    precision the CPU's own rule would not."""
+    import summarizer.bench.training as bench
+    from summarizer import runtime
+    from summarizer.train import precision
+    faster = "fp32" if runtime.resolve_precision("auto", torch.device("cpu")) == "bf16" else "bf16"
+    monkeypatch.setattr(precision, "candidates", lambda requested, rt: ("fp32", "bf16") if requested == "auto" else ())
+    monkeypatch.setattr(precision, "device_name", lambda rt: "GPU A")
+    monkeypatch.setattr(precision, "measure", lambda model, batches, precisions, rt, train:
+                        {p: 1.0 if p == faster else 2.0 for p in precisions})
+    probe = bench.TrainingProbe(cfg)
+    assert probe.rt.precision == faster and probe.scaler.is_enabled() is False
+    assert probe.repeat(1) > 0
+    cfg.train.precision = "fp32"
+    assert bench.TrainingProbe(cfg).rt.precision == "fp32"  # a precision set by hand is not probed
