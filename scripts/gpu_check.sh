@@ -67,8 +67,9 @@ step() {  # step PART LABEL SECONDS COMMAND...: run it under a timeout cut to wh
 
 TRAIN=("$PY" -m summarizer train "${COMMON[@]}")
 
-# 1. The recipe from a cold start in each precision, each in its own process.
-for p in fp32 bf16 fp16; do
+# 1. The recipe from a cold start in each precision, each in its own process; auto: what it chose (on a GPU, by a
+# probe timing fp32 against bf16 on the run's first batches) and whether it trains as fast as the faster of the two.
+for p in fp32 bf16 fp16 auto; do
   step 1 "train $p" 120 "${TRAIN[@]}" "run.name=gc_$p" "run.dir=$OUT/train/$p" "train.precision=$p" \
     $(schedule "$STEPS" "$LOG")
 done

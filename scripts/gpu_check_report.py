@@ -54,16 +54,34 @@ def ratio(value: float, base: float | None) -> float | None:
     return value / base if base else None
 
 
-def train_rows(out: Path) -> list[tuple]:
-    """Part 1: each precision's tokens/s early and late, loss and MFU, as a ratio to fp32's."""
-    runs = {p: s for p in ("fp32", "bf16", "fp16") if (s := run_summary(out / "train" / p))}
-    base, rows = runs.get("fp32", {}), []
+def chosen(run_dir: Path) -> tuple[str, str | None]:
+    """The precision a run trained in (manifest.json), and the probe's timings when a probe chose it."""
+    try:
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return "?", None
+    probe = manifest.get("precision_probe")
+    times = ", ".join(f"{p} {'out of memory' if ms is None else f'{ms} ms'}" for p, ms in probe["ms"].items()) \
+        if probe else None
+    return manifest.get("precision", "?"), times
+
+
+def train_rows(out: Path) -> tuple[list[tuple], list[str]]:
+    """Part 1: each precision's tokens/s early and late, loss and MFU, as a ratio to fp32's; `auto` is labelled
+    with the precision it chose, and its probe's timings (on a GPU) are a note."""
+    runs = {p: s for p in ("fp32", "bf16", "fp16", "auto") if (s := run_summary(out / "train" / p))}
+    base, rows, notes = runs.get("fp32", {}), [], []
     for p, s in runs.items():
+        if p == "auto":
+            precision, times = chosen(out / "train" / p)
+            p = f"auto ({precision})"
+            notes.append(f"{PARTS[1]}, train.precision=auto: {precision}, "
+                         + (f"by the probe's timings of forward and backward: {times}" if times else "by rule"))
         figures = [("first", f"tokens/s, steps {s['first_steps']}"), ("later", f"tokens/s, steps {s['later_steps']}"),
                    ("loss", f"loss at step {s['last_step']}"), ("mfu", f"MFU, steps {s['later_steps']}")]
         rows += [(PARTS[1], f"train.precision={p}: {label}", s[key],
                   None if key in NO_RATIO else ratio(s[key], base.get(key))) for key, label in figures if key in s]
-    return rows
+    return rows, notes
 
 
 def bench_rows(out: Path) -> tuple[list[tuple], list[str]]:
@@ -141,12 +159,14 @@ def profile_rows(out: Path) -> tuple[list[tuple], list[str]]:
 
 
 def all_rows(out: Path) -> tuple[list[tuple], list[str]]:
-    bench, notes = bench_rows(out)
+    trained, notes = train_rows(out)
+    bench, bench_notes = bench_rows(out)
+    notes += bench_notes
     one_device = run_summary(out / "train" / "fp32") or {}
     placement = (("later", "tokens/s, steps {later_steps} (ratio: to one device, fp32)"),)
     gigaword = (("later", "tokens/s, steps {later_steps}"), ("mfu", "MFU, steps {later_steps}"),
                 ("peak_mb", "peak memory MiB"))
-    rows = (train_rows(out) + bench + eval_rows(out) + run_rows(out, 4, "placement", placement, one_device)
+    rows = (trained + bench + eval_rows(out) + run_rows(out, 4, "placement", placement, one_device)
             + run_rows(out, 4, "ddp", placement, one_device)
             + run_rows(out, 5, "gigaword", gigaword, run_summary(out / "gigaword" / "fp32") or {}))
     profiled, profile_notes = profile_rows(out)

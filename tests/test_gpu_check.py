@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from summarizer import runtime
+
 ROOT = Path(__file__).resolve().parent.parent
 EQUAL = "share of predictions equal to the dynamic fp32 search's"
 _spec = importlib.util.spec_from_file_location("gpu_check_report", ROOT / "scripts" / "gpu_check_report.py")
@@ -47,6 +49,9 @@ def test_report_rows_from_hand_written_runs(tmp_path):
     steps = [50, 100, 150, 200, 250, 300]
     write_metrics(out / "train" / "fp32", dict(zip(steps, [100, 200, 300, 300, 400, 400], strict=True)), mfu=0.1)
     write_metrics(out / "train" / "bf16", dict(zip(steps, [200, 400, 600, 600, 800, 800], strict=True)), mfu=0.05)
+    write_metrics(out / "train" / "auto", dict(zip(steps, [200, 400, 600, 600, 800, 800], strict=True)))
+    (out / "train" / "auto" / "manifest.json").write_text(json.dumps({"precision": "bf16", "precision_probe": {
+        "precision": "bf16", "device": "NVIDIA H100", "ms": {"fp32": 41.5, "bf16": 30.0}}}))
     (out / "bench").mkdir(parents=True)
     (out / "bench" / "bench.json").write_text(json.dumps([
         {"practice": "precision_bf16", "unit": "tokens/s", "on": {"median": 900.0}, "off": {"median": 450.0},
@@ -73,6 +78,9 @@ def test_report_rows_from_hand_written_runs(tmp_path):
         ("1 train", "train.precision=bf16: tokens/s, steps 201-300", 800, 2.0),
         ("1 train", "train.precision=bf16: loss at step 300", round(10 / 300, 4), 1.0),
         ("1 train", "train.precision=bf16: MFU, steps 201-300", 0.05, None),
+        ("1 train", "train.precision=auto (bf16): tokens/s, steps 1-100", 300, 2.0),
+        ("1 train", "train.precision=auto (bf16): tokens/s, steps 201-300", 800, 2.0),
+        ("1 train", "train.precision=auto (bf16): loss at step 300", round(10 / 300, 4), 1.0),
         ("2 bench", "precision_bf16 (tokens/s, on)", 900, 2.0),
         ("3 eval", "beam4, fp32, static shapes, batch 131072 (beam4_auto_auto): sentences/s", 100, 2.0),
         ("3 eval", "beam4, fp32, static shapes, batch 131072 (beam4_auto_auto): ROUGE-1 F", 30, 1.0),
@@ -94,7 +102,9 @@ def test_report_rows_from_hand_written_runs(tmp_path):
         ("5 gigaword.yaml", "fp32: MFU, steps 101-150", 0.3, None),
         ("5 gigaword.yaml", "fp32: peak memory MiB", 8000, 1.0),
     ]
-    assert notes == ["2 bench, pin_memory: needs CUDA",
+    assert notes == ["1 train, train.precision=auto: bf16, by the probe's timings of forward and backward: fp32 "
+                     "41.5 ms, bf16 30.0 ms",
+                     "2 bench, pin_memory: needs CUDA",
                      "4 placement, cuda:0 + cuda:1, DDP: skipped: needs two GPUs (this machine: 1)"]
     table = report.markdown(rows, notes, "GPU check")
     assert "| 1 train | train.precision=bf16: tokens/s, steps 201-300 | 800 | 2x |" in table
@@ -136,6 +146,9 @@ def test_cpu_mode_runs_every_part_and_prints_a_number_per_row(tmp_path):
     assert all(re.fullmatch(r"-?\d+(\.\d+)?(e[-+]\d+)?", r[2]) for r in rows), rows
     assert {p for r in rows if r[0] == "1 train" for p in ("fp32", "bf16", "fp16") if f"={p}:" in r[1]} == \
         {"fp32", "bf16", "fp16"}
+    by_rule = "bf16" if runtime.cpu_has_fast_bf16() else "fp32"  # a CPU's auto: no probe
+    assert any(r[1].startswith(f"train.precision=auto ({by_rule}): tokens/s") for r in rows), rows
+    assert f"1 train, train.precision=auto: {by_rule}, by rule" in table
     assert "5 gigaword.yaml, gigaword.yaml: skipped" in table
     assert "cuda:0 + cuda:1, DDP: skipped: needs two GPUs" in table
     assert re.search(r"6 profile, train (fp32|bf16), first steps: most time: aten::", table), table
