@@ -151,6 +151,8 @@ def run_bench(cfg: Config) -> list[dict]:
         raise ConfigError(f"unknown bench rows {unknown}; choose from {sorted(set(table) | set(NOT_HERE))}")
     results = []
     for name in wanted:
+        if results:  # the rows measured so far, kept should the bench be stopped or killed before its end
+            atomic_write(cfg.run_dir / "bench.json", json.dumps(results, indent=2))
         if name in AFTER_ROWS:
             continue  # not on/off pairs: measured after the rows
         if name not in table:

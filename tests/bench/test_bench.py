@@ -194,3 +194,19 @@ def test_the_default_variant_trains_in_the_precision_make_train_would_choose(cfg
     assert probe.repeat(1) > 0
     cfg.train.precision = "fp32"
     assert bench.TrainingProbe(cfg).rt.precision == "fp32"  # a precision set by hand is not probed
+
+
+def test_a_bench_stopped_midway_keeps_the_rows_it_measured(cfg, monkeypatch):
+    import summarizer.bench.run as bench_run
+    table = bench_run.rows(cfg)
+
+    def stopped():
+        raise KeyboardInterrupt
+
+    table["lean_layers"] = (*table["lean_layers"][:3], stopped)
+    monkeypatch.setattr(bench_run, "rows", lambda cfg: table)
+    cfg.bench.rows, cfg.bench.find_batch_tokens = ["set_to_none", "pin_memory", "lean_layers"], False
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(cfg)
+    kept = json.loads((cfg.run_dir / "bench.json").read_text())
+    assert [r["practice"] for r in kept] == ["set_to_none", "pin_memory"] and kept[0]["ratio"] > 0
