@@ -170,3 +170,30 @@ def test_on_a_gpu_the_probe_times_fp32_against_16_bit_and_leaves_the_gpus_random
     assert set(probe["ms"]) == {"fp32", rt.precision} and all(ms > 0 for ms in probe["ms"].values())
     assert torch.equal(torch.cuda.get_rng_state(device), cuda_random)
     assert all(p.grad is None for p in model.parameters())
+
+
+def _rank_chooses(rank: int, world: int, init_file: str, data_dir: str, out_dir: str) -> None:
+    """One DDP rank (gloo) of the probe's GPU branch, stood in for on the CPU: rank 0 times fp32 faster, the others
+    bf16; every rank must train in rank 0's choice."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        precision.candidates = lambda requested, rt: ("fp32", "bf16")
+        precision.device_name = lambda rt: "GPU A"
+        precision.measure = lambda model, batches, precisions, rt, cfg: \
+            {"fp32": 1.0, "bf16": 2.0} if rank == 0 else {"fp32": 2.0, "bf16": 1.0}
+        cfg = load_config(ROOT / "configs/tiny.yaml", [f"data.dir={data_dir}", *SMALL])
+        ds = PairDataset.from_dir(data_dir, "train", cfg.data)
+        sampler = TokenBatchSampler(ds.src_lens, ds.tgt_lens, cfg.data.batch_tokens, rank=rank, world_size=world)
+        model = Seq2Seq(cfg.model, read_meta(data_dir)["vocab_size"])
+        probe = precision.choose(model, ds, sampler, 1, Runtime(CPU, CPU, "bf16", rank, world), cfg.train)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(probe))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_ddp_rank_trains_in_rank_0s_choice(tiny_data, tmp_path):
+    import torch.multiprocessing as mp
+    mp.spawn(_rank_chooses, args=(2, str(tmp_path / "init"), str(tiny_data), str(tmp_path)), nprocs=2)
+    chosen = [json.loads((tmp_path / f"rank{r}.json").read_text())["precision"] for r in range(2)]
+    assert chosen == ["fp32", "fp32"]

@@ -221,9 +221,6 @@ def open_session(cfg: Config) -> Session:
         progress = state["progress"]
     del state  # the weights now live in the model
     scheduler = build_scheduler(optimizer, cfg.train, progress["step"])
-    model = runtime.wrap_ddp(model, rt)
-    if cfg.train.compile:
-        model = torch.compile(model)
     resample = SegmentationSampler(tokenizer, cfg.data.subword_alpha, cfg.data.subword_nbest, cfg.train.seed) \
         if cfg.data.subword_alpha > 0 else None
     noised = tuple(meta.get("unpaired_tags", ()))
@@ -241,6 +238,9 @@ def open_session(cfg: Config) -> Session:
                                                                 rt, cfg.train)
         if probed["precision"] != rt.precision:
             rt.precision, scaler = probed["precision"], runtime.make_scaler(rt)
+    model = runtime.wrap_ddp(model, rt)
+    if cfg.train.compile:
+        model = torch.compile(model)
     manifest = read_manifest(cfg.run_dir)
     skip, rollbacks = spikes.skipped(manifest, cfg.train), manifest.get("spike_rollbacks", [])
     train_loader = make_loader(train_ds, sampler, cfg.data, rt.device, cfg.train.seed)
