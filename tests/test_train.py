@@ -424,22 +424,3 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_fresh_opti
     meta = json.loads((tiny_data / "meta.json").read_text())
     with pytest.raises(ConfigError, match=r"another model than this run's model.\* settings"):
         initial_weights(make_cfg(tiny_data, tmp_path / "x", f"train.init_from={pre}", "model.ffn_dim=48"), meta)
-
-
-def test_the_moving_average_is_debiased_from_the_first_step():
-    """The t-th average is sum_i d**(t-i) (1 - d) w_i / (1 - d**t): nothing of what came before the first step,
-    whose weights torch's own EMA keeps at d**t (for a fine-tuning, the pre-trained model)."""
-    from torch.optim.swa_utils import AveragedModel
-
-    from summarizer.train.session import debiased_ema
-    d, model = 0.9, torch.nn.Linear(3, 2)
-    ema = AveragedModel(model, multi_avg_fn=debiased_ema(d))
-    seen = []
-    for _ in range(5):
-        with torch.no_grad():
-            model.weight.normal_()
-        seen.append(model.weight.detach().clone())
-        ema.update_parameters(model)
-    t = len(seen)
-    expected = sum(d ** (t - i) * (1 - d) * w for i, w in enumerate(seen, start=1)) / (1 - d ** t)
-    assert torch.allclose(ema.module.weight, expected, atol=1e-6)

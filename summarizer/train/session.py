@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
-from torch.optim.swa_utils import AveragedModel
+from torch import nn
 from torch.utils.data import DataLoader
 
 from summarizer import runtime
@@ -29,6 +28,7 @@ from summarizer.outputs import claim_dir, claim_events_dir, hold_lock, release_l
 from summarizer.runtime import Runtime
 from summarizer.runtime.placement import place_model
 from summarizer.train import precision
+from summarizer.train.ema import MovingAverage, build_ema
 from summarizer.train.optim import build_optimizer, build_scheduler
 from summarizer.train.watch import spikes
 from summarizer.train.watch.monitor import Monitor, read_manifest, write_manifest
@@ -63,35 +63,6 @@ def build(cfg: Config, rt: Runtime, meta: dict, state: dict | None = None, init:
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
     return model, optimizer, scaler
-
-
-def debiased_ema(decay: float):
-    """AveragedModel's update for the t-th average: w_ema <- w_ema + (w - w_ema) * (1 - d) / (1 - d**t), the
-    exponential average of the weights seen so far divided by the total weight they carry (as Adam corrects
-    its moments' bias). torch's own EMA update starts at the first step's weights and keeps them at d**t:
-    after 1,000 steps at d = 0.999 still 37% of the average, which for a fine-tuning (train.init_from) is the
-    pre-trained model. After ~3 / (1 - d) steps the two agree within 5%."""
-    def update(averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor) -> None:
-        t = int(num_averaged) + 1  # AveragedModel reads num_averaged on the host at every update anyway
-        torch._foreach_lerp_(averaged, current, (1 - decay) / (1 - decay ** t))
-    return torch.no_grad()(update)
-
-
-def build_ema(model: nn.Module, decay: float, state: dict | None, max_steps: int) -> AveragedModel | None:
-    """An exponential moving average of the weights (train.ema_decay; 0 = none): w_ema <- decay * w_ema +
-    (1 - decay) * w after every optimizer step, debiased (`debiased_ema`). It is what validation scores and
-    what best.pt holds (step checkpoints hold both; eval.checkpoint=ckpt_*.pt and `average` use the raw
-    weights); a resumed run restores it from its checkpoint."""
-    if not decay:
-        return None
-    if max_steps < 3 / (1 - decay):  # after t steps the first weights still count decay**t: > 5% here
-        print(f"warning: train.ema_decay={decay} averages the weights over about {round(1 / (1 - decay))} steps, "
-              f"but this run has {max_steps}: best.pt (the average) will lag far behind the trained weights. "
-              f"For short runs set train.ema_decay=0 or a smaller decay", file=sys.stderr, flush=True)
-    ema = AveragedModel(model, multi_avg_fn=debiased_ema(decay))
-    if state and "ema" in state:
-        ema.load_state_dict(state["ema"])
-    return ema
 
 
 def resume_state(cfg: Config, meta: dict) -> tuple[dict | None, list[dict]]:
@@ -163,7 +134,7 @@ class Session:
     valid_loader: DataLoader
     monitor: Monitor
     resumed: bool
-    ema: AveragedModel | None = None
+    ema: MovingAverage | None = None
     lock: object | None = None  # the run dir's lock file (outputs.hold_lock): held while this run lives
     rouge_pairs: list | None = None  # the valid pairs ROUGE is measured on during training, read once
     train_loader: DataLoader | None = None  # what `stream` reads, kept to restart it (rollback)
