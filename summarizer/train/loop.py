@@ -164,7 +164,8 @@ def step_once(session: Session, fetched: list, data_s: float, loop: Loop) -> dic
         return None
     flops = [batch_flops(session.cfg.model, session.meta["vocab_size"], batch) for batch, _, _ in fetched]
     loop.window.add(out, micro, data_s, (sum(f[0] for f in flops), sum(f[1] for f in flops)))
-    overflow = session.scaler.is_enabled() and session.scaler.get_scale() >= 1.0  # fp16 scale search, not a fault
+    # fp16's scale search skips steps on overflow by design: not a fault (get_scale reads the device: only then)
+    overflow = not out["finite"] and session.scaler.is_enabled() and session.scaler.get_scale() >= 1.0
     loop.bad_in_row = 0 if out["finite"] or overflow else loop.bad_in_row + 1
     if loop.bad_in_row:
         where = first_nonfinite(session.model, micro, rt, train_cfg)
