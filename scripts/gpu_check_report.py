@@ -47,7 +47,7 @@ def run_summary(run_dir: Path) -> dict | None:
     return out
 
 
-NO_RATIO = ("mfu",)  # each precision's MFU is of its own peak (fp32's 67 TF vs bf16's 989 TF on an H100)
+NO_RATIO = ("mfu",)  # each precision's MFU is of its own peak (TF32's 495 TF vs bf16's 989 TF on an H100)
 
 
 def ratio(value: float, base: float | None) -> float | None:

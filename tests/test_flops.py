@@ -1,4 +1,5 @@
-"""The FLOP count from real lengths agrees with torch's own count of the matrix products."""
+"""The FLOP count from real lengths agrees with torch's own count of the matrix products; a GPU's peak FLOP/s
+is its datasheet's."""
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -6,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from summarizer.config.schema import ModelConfig
 from summarizer.model.attention import explicit_attention
 from summarizer.model.transformer import Seq2Seq
-from summarizer.train.watch.flops import batch_flops, forward_flops
+from summarizer.train.watch.flops import batch_flops, forward_flops, peak_flops
 
 
 @pytest.mark.parametrize("copy", [True, False])
@@ -28,3 +29,15 @@ def test_padding_is_computed_but_is_not_model_work():
     real, padded = batch_flops(cfg, 50, {"src_ids": src, "tgt_in": tgt})
     assert real == 3 * forward_flops(cfg, 50, [4, 2], [3, 2]) and padded == 3 * forward_flops(cfg, 50, [4, 4], [3, 3])
     assert 0 < real < padded
+
+
+@pytest.mark.parametrize("name, precision, peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989e12), ("NVIDIA H100 80GB HBM3", "fp32", 495e12),  # SXM; fp32 runs as TF32
+    ("NVIDIA H100 PCIe", "bf16", 756e12), ("NVIDIA H100 NVL", "fp16", 835e12), ("NVIDIA H200", "bf16", 989e12),
+    ("NVIDIA A100-SXM4-80GB", "fp32", 156e12), ("NVIDIA L40S", "bf16", 362e12), ("NVIDIA L4", "bf16", 121e12),
+    ("Tesla V100-SXM2-16GB", "fp32", 15.7e12), ("Tesla T4", "fp16", 65e12)])
+def test_a_gpus_peak_is_its_datasheets_for_the_precision_it_trains_in(monkeypatch, name, precision, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    value, origin = peak_flops(torch.device("cuda"), precision)
+    assert value == peak and origin.startswith("datasheet")
+    assert peak_flops(torch.device("cuda"), precision, override=1e12) == (1e12, "train.peak_flops")

@@ -52,14 +52,19 @@ def batch_flops(cfg: ModelConfig, vocab_size: int, batch: dict) -> tuple[int, in
     return TRAINING_FACTOR * real, TRAINING_FACTOR * padded
 
 
-# Dense (no sparsity) peak FLOP/s from the vendors' datasheets, by device name and dtype: NVIDIA H100 SXM
-# (989 TF bf16/fp16, 67 TF fp32 without TF32), H100 PCIe (756 / 51), A100 (312 / 19.5), L4 (121 / 30), V100
-# (125 fp16 tensor cores, 15.7 fp32), T4 (65 / 8.1). fp32 is without TF32, as training here runs.
-GPU_PEAK = {"H100 SXM": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-            "H100": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
-            "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-            "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-            "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30e12},
+# Dense (no sparsity) peak FLOP/s from the vendors' datasheets, by a part of the device's name (the longest that
+# matches) and precision. fp32 is TF32 where the GPU has it (Ampere and newer): runtime.setup lets matmuls use it.
+# H100 SXM ("NVIDIA H100 80GB HBM3") and H200: 989 TF bf16/fp16, 495 TF32; H100 PCIe 756 / 378; H100 NVL 835 / 418;
+# A100 312 / 156; L40S 362 / 183; L40 181 / 90.5; L4 121 / 60; V100 125 fp16 (tensor cores) / 15.7 fp32 (no
+# TF32); T4 65 / 8.1.
+GPU_PEAK = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 495e12},
+            "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 495e12},
+            "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 378e12},
+            "H100 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 418e12},
+            "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
+            "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12},
+            "L40": {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12},
+            "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 60e12},
             "V100": {"fp16": 125e12, "fp32": 15.7e12},
             "T4": {"fp16": 65e12, "fp32": 8.1e12}}
 
@@ -92,7 +97,7 @@ def peak_flops(device: torch.device, precision: str, override: float = 0.0) -> t
         return override, "train.peak_flops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key in sorted(GPU_PEAK, key=len, reverse=True):  # "H100 SXM" before "H100"
+        for key in sorted(GPU_PEAK, key=len, reverse=True):  # "H100 PCIe" before "H100", "L40S" before "L4"
             if key in name and precision in GPU_PEAK[key]:
                 return GPU_PEAK[key][precision], f"datasheet ({key}, {precision})"
     return measured_peak(device, precision), f"measured ({precision} matrix products)"
