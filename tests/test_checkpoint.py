@@ -61,6 +61,24 @@ def test_rng_state_round_trip(tmp_path):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
 
 
+def test_only_the_runs_own_gpus_random_streams_are_kept_and_restored(monkeypatch):
+    """A run on cuda:1 keeps cuda:1's stream; a checkpoint holding more GPUs' streams than the resuming machine has
+    (an 8-GPU node's, resumed on one GPU) restores the first ones instead of failing. The CUDA calls are recorded
+    here, so the GPU branch runs on any machine."""
+    got, put = [], []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: got.append(device) or torch.tensor([device.index]))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: put.append((int(state), device)))
+    one = torch.device("cuda", 1)
+    state = checkpoint.rng_state([one])
+    assert got == [one] and [int(s) for s in state["cuda"]] == [1]
+    eight = {**state, "cuda": [torch.tensor([i]) for i in range(8)]}
+    checkpoint.set_rng_state(eight, [torch.device("cuda", 0)])
+    assert put == [(0, torch.device("cuda", 0))]
+    checkpoint.set_rng_state(eight, [])  # resumed on a CPU: the GPUs' streams are not touched
+    assert put == [(0, torch.device("cuda", 0))]
+    assert "cuda" not in checkpoint.rng_state([])
+
+
 def test_tokenizer_mismatch_is_refused():
     checkpoint.check_tokenizer({"spm_sha256": "abc"}, {"spm_sha256": "abc"}, "run x")
     with pytest.raises(DataError, match="tokenizer mismatch"):

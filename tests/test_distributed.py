@@ -101,3 +101,42 @@ def test_a_rank_killed_mid_run_ends_the_others_in_one_message(tiny_prepared, tmp
     rank0 = next(logs.rglob("attempt_0/0/stderr.log")).read_text()
     assert "Traceback" not in rank0, rank0[-3000:]
     assert "another rank of the run stopped" in rank0 or "stopped by SIGTERM" in rank0, rank0[-3000:]
+
+
+def _rank_resumes_its_own_streams(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """One gloo rank: streams that differ by rank (as each GPU's do, drawing dropout for its own batches) are
+    saved by rank 0 for every rank, then each rank restores its own."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    from summarizer.runtime import Runtime
+    from summarizer.train.session import restore_rng, rng_states
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        rt = Runtime(torch.device("cpu"), torch.device("cpu"), "fp32", rank, world)
+        torch.manual_seed(0)
+        random.seed(0)
+        torch.rand(10 + 7 * rank)  # a rank's own number of draws
+        saved = rng_states(rt)  # every rank takes part
+        if rank == 0:
+            torch.save(saved, Path(out_dir) / "rng.pt")
+        expected = (torch.rand(3).tolist(), random.random())
+        torch.rand(50)
+        dist.barrier()
+        restore_rng(torch.load(Path(out_dir) / "rng.pt", weights_only=False), rt)
+        got = (torch.rand(3).tolist(), random.random())
+        restore_rng({"rng": saved["rng"]}, rt)  # a checkpoint with rank 0's streams alone: rank 0's for all
+        alone = torch.rand(3).tolist()
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"same": got == expected, "alone": alone}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_resumes_its_own_random_streams(tmp_path):
+    import torch.multiprocessing as mp
+    mp.spawn(_rank_resumes_its_own_streams, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["same"] for r in ranks] == [True, True]
+    assert ranks[0]["alone"] == ranks[1]["alone"]  # both got rank 0's streams

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,23 +21,27 @@ FORMAT_VERSION = 2
 LATEST, BEST = "latest.json", "best.pt"
 
 
-def rng_state() -> dict:
+def rng_state(cuda: Sequence[torch.device] = ()) -> dict:
+    """This process's random streams: python's, numpy's, torch's on the CPU, and those of the CUDA devices the run
+    uses (`cuda`, in order), not every GPU the machine has: a resume on a machine with fewer GPUs restores them."""
     # numpy's key array is stored as a tensor so that weights_only loading needs no numpy globals.
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if cuda:
+        state["cuda"] = [torch.cuda.get_rng_state(device) for device in cuda]
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, cuda: Sequence[torch.device] = ()) -> None:
+    """`rng_state`'s streams back; its CUDA states go to the run's CUDA devices `cuda`, in order (a state saved
+    on a CPU has none; one saved for more devices than `cuda` gives its first ones)."""
     random.setstate(_as_python_state(state["python"]))
     name, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    for device, cuda_state in zip(cuda, state.get("cuda", ()), strict=False):
+        torch.cuda.set_rng_state(cuda_state, device)
 
 
 def _as_python_state(state):

@@ -1,4 +1,5 @@
-"""Data parallelism: the DDP wrapper, unwrapping a wrapped model, collective sums, and leaving the process group."""
+"""Data parallelism: the DDP wrapper, unwrapping a wrapped model, collective sums and gathers, and leaving the
+process group."""
 from __future__ import annotations
 
 import multiprocessing
@@ -43,3 +44,12 @@ def all_reduce_sum(value: Tensor, rt: Runtime) -> Tensor:
     if rt.distributed:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
+
+
+def all_gather_object(value, rt: Runtime) -> list:
+    """Every rank's `value`, by rank ([value] without DDP): a collective, so every rank must call it."""
+    if not rt.distributed:
+        return [value]
+    gathered = [None] * rt.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered

@@ -14,7 +14,7 @@ from summarizer.errors import Stopped, UserError
 from summarizer.model import checkpoint
 from summarizer.outputs import MARKER
 from summarizer.runtime import Runtime
-from summarizer.train.session import Session, rollback
+from summarizer.train.session import Session, rng_states, rollback
 from summarizer.train.watch import spikes
 from summarizer.train.watch.monitor import add_rollback, memory_report
 
@@ -106,10 +106,13 @@ def agree(flag: bool, rt: Runtime) -> bool:
     return bool(runtime.all_reduce_sum(torch.tensor(float(flag), device=rt.device), rt) > 0)
 
 
-def save_now(session: Session) -> None:
-    """The current step's checkpoint (rank 0 writes it; the others hold the same state)."""
+def save_now(session: Session, every_rank: bool = True) -> None:
+    """The current step's checkpoint: rank 0 writes it (the others hold the same weights) with every rank's random
+    streams, gathered from all of them (`every_rank`: all ranks call this together), or with its own alone (one
+    rank on its way out: a gather would wait for the others forever)."""
+    rng = rng_states(session.rt, gather=every_rank)
     if session.rt.is_main:
-        checkpoint.save_step(session.snapshot(), session.cfg.run_dir, session.cfg.train.keep_last)
+        checkpoint.save_step(session.snapshot(rng), session.cfg.run_dir, session.cfg.train.keep_last)
 
 
 def worker_died(exc: BaseException) -> bool:
@@ -123,7 +126,7 @@ def dead_worker(session: Session, stop: StopFlag, exc: RuntimeError) -> None:
     """A DataLoader worker died, noticed between steps: checkpoint, then stop as a stop signal does when one came
     (a signal sent to the process group can reach a worker before it ignores signals), or abort clearly (the
     out-of-memory killer's SIGKILL is the usual cause)."""
-    save_now(session)
+    save_now(session, every_rank=False)
     cfg = session.cfg
     if stop.requested:
         session.monitor.write(f"stopping at step {session.progress['step']}: {stop.name} (a DataLoader worker "

@@ -105,11 +105,34 @@ def initial_weights(cfg: Config, meta: dict) -> dict | None:
     return have
 
 
-def snapshot(cfg: Config, meta: dict, model, optimizer, scaler, ema, progress: dict) -> dict:
-    """Everything a resumed run needs, from the unwrapped module (never the DDP/placement wrapper). The
-    schedule is not stored: it is a function of the step and the config (so a new train.lr takes effect)."""
+def cuda_devices(rt: Runtime) -> list[torch.device]:
+    return [d for d in rt.devices if d.type == "cuda"]
+
+
+def rng_states(rt: Runtime, gather: bool = True) -> dict:
+    """The random streams a checkpoint keeps: "rng", rank 0's, and under DDP "rng_by_rank", every rank's (each
+    rank's GPU draws dropout masks for its own batches, so the ranks' CUDA streams differ). Gathering is a
+    collective: every rank calls this with `gather`, or none does (this rank's streams alone, then)."""
+    mine = checkpoint.rng_state(cuda_devices(rt))
+    if not (gather and rt.distributed):
+        return {"rng": mine}
+    every = runtime.all_gather_object(mine, rt)
+    return {"rng": every[0], "rng_by_rank": every}
+
+
+def restore_rng(state: dict, rt: Runtime) -> None:
+    """This rank's streams from a checkpoint: its own where the checkpoint holds every rank's (same world size),
+    else rank 0's."""
+    by_rank = state.get("rng_by_rank") or []
+    checkpoint.set_rng_state(by_rank[rt.rank] if len(by_rank) == rt.world_size else state["rng"], cuda_devices(rt))
+
+
+def snapshot(cfg: Config, meta: dict, model, optimizer, scaler, ema, progress: dict, rng: dict) -> dict:
+    """Everything a resumed run needs, from the unwrapped module (never the DDP/placement wrapper), with the
+    random streams `rng` (`rng_states`). The schedule is not stored: it is a function of the step and the config
+    (so a new train.lr takes effect)."""
     state = {"model": runtime.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-             "scaler": scaler.state_dict(), "rng": checkpoint.rng_state(),
+             "scaler": scaler.state_dict(), **rng,
              "progress": dict(progress), "step": progress["step"], "config": to_dict(cfg),
              "data_meta": {k: meta.get(k) for k in ("spm_sha256", "vocab_size", "normalization", "fingerprint")}}
     if ema is not None:
@@ -147,8 +170,8 @@ class Session:
         """The weights validation scores and best.pt keeps: the moving average, if one is kept."""
         return self.ema.module if self.ema is not None else runtime.unwrap(self.model)
 
-    def snapshot(self) -> dict:
-        return snapshot(self.cfg, self.meta, self.model, self.optimizer, self.scaler, self.ema, self.progress)
+    def snapshot(self, rng: dict) -> dict:
+        return snapshot(self.cfg, self.meta, self.model, self.optimizer, self.scaler, self.ema, self.progress, rng)
 
     def close(self) -> None:
         """End the run's data workers, logs and lock on every exit path, an error on the way out included: no
@@ -163,7 +186,8 @@ class Session:
 
     def best_snapshot(self) -> dict:
         """best.pt: the validated weights (the average, if kept) as its model; nothing to resume from."""
-        return {**{k: v for k, v in self.snapshot().items() if k not in ("optimizer", "scaler", "ema")},
+        return {**{k: v for k, v in self.snapshot(rng_states(self.rt, gather=False)).items()
+                   if k not in ("optimizer", "scaler", "ema")},
                 "model": self.eval_model.state_dict()}
 
 
@@ -188,7 +212,7 @@ def open_session(cfg: Config) -> Session:
     ema = build_ema(model, cfg.train.ema_decay, state, cfg.train.max_steps)
     progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
     if state is not None:
-        checkpoint.set_rng_state(state["rng"])
+        restore_rng(state, rt)
         progress = state["progress"]
     del state  # the weights now live in the model
     scheduler = build_scheduler(optimizer, cfg.train, progress["step"])
@@ -249,7 +273,7 @@ def rollback(s: Session) -> int | None:
     s.scaler.load_state_dict(state["scaler"])
     if s.ema is not None:
         s.ema.load_state_dict(state["ema"])
-    checkpoint.set_rng_state(state["rng"])
+    restore_rng(state, s.rt)
     elapsed = s.progress["elapsed_s"]
     s.progress.clear()
     s.progress.update(state["progress"], elapsed_s=elapsed)
