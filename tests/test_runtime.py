@@ -1,3 +1,4 @@
+import contextlib
 import os
 import subprocess
 import sys
@@ -143,6 +144,30 @@ def test_fp16_loss_scaling_runs_on_the_cpu():
     out = train_step(model, optimizer, scaler, [batch], rt, tcfg)
     assert out["finite"] and float(out["grad_norm"]) < 100  # unscaled: the scale is 32768
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("gpu, auto", [("A100", "bf16"), ("V100", "fp16")])
+def test_on_a_gpu_auto_is_bf16_only_where_the_hardware_has_it(monkeypatch, gpu, auto):
+    """A V100 or T4 runs bf16 only emulated, slowly: auto is fp16 there, and bf16 asked for is refused. The GPU's
+    answers are stood in for (the branch runs on any machine); the question goes to the run's device."""
+    asked = []
+
+    @contextlib.contextmanager
+    def on(device):
+        asked.append(device)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", on)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: gpu == "A100" or including_emulation)
+    gpu1 = torch.device("cuda", 1)
+    assert runtime.resolve_precision("auto", gpu1) == auto and asked == [gpu1]
+    assert runtime.resolve_precision("fp16", gpu1) == "fp16" and runtime.resolve_precision("fp32", gpu1) == "fp32"
+    if auto == "fp16":
+        with pytest.raises(ConfigError, match="needs an Ampere or newer GPU"):
+            runtime.resolve_precision("bf16", gpu1)
+    else:
+        assert runtime.resolve_precision("bf16", gpu1) == "bf16"
 
 
 def test_cuda_attention_leaves_out_cudnn_and_each_choice_means_one_thing():

@@ -117,9 +117,16 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def gpu_has_bf16(device: torch.device) -> bool:
+    """bf16 in the GPU's hardware: Ampere or newer (or ROCm). torch.cuda.is_bf16_supported() by default also says
+    yes where bf16 is only emulated, slowly (V100, T4: its including_emulation=True), and asks the current device."""
+    with torch.cuda.device(device):
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def resolve_precision(requested: str, device: torch.device) -> str:
     if device.type == "cuda":
-        bf16_ok = torch.cuda.is_bf16_supported()
+        bf16_ok = gpu_has_bf16(device)
         if requested == "auto":
             return "bf16" if bf16_ok else "fp16"
         if requested == "bf16" and not bf16_ok:
