@@ -187,3 +187,21 @@ def test_cuda_attention_leaves_out_cudnn_and_each_choice_means_one_thing():
     with rt.compute():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after
+
+
+def test_a_run_on_a_second_gpu_makes_it_the_current_device(monkeypatch):
+    """Without it, cuda:0 stays current: new streams, CUDA graph captures and calls that take no device go there
+    while the run's kernels go to cuda:1. The GPU calls are recorded (the branch runs on any machine)."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    cudnn_benchmark = torch.backends.cudnn.benchmark
+    try:
+        rt = runtime.setup(SystemConfig(device="cuda:1"), PlacementConfig(), "fp32")
+        assert rt.device == torch.device("cuda", 1) and current == [torch.device("cuda", 1)]
+        current.clear()
+        runtime.setup(SystemConfig(), PlacementConfig(encoder_device="cpu", decoder_device="cuda:1"), "fp32")
+        assert current == [torch.device("cuda", 1)]
+    finally:
+        torch.backends.cudnn.benchmark = cudnn_benchmark

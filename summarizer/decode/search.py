@@ -7,6 +7,7 @@ cache) as soon as it is finished, and beams are reordered by one gather of the s
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -171,7 +172,9 @@ def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt
 
     def decode(idx: list[int]) -> tuple[list[int], list[list[int]]]:
         src = runtime.move(pad_sources([sources[i] for i in idx]), rt.device)
-        with torch.inference_mode(), rt.compute():  # both are thread-local: entered in the thread that decodes
+        # all three are thread-local, so entered in the thread that decodes (the current GPU: streams, graphs)
+        gpu = torch.cuda.device(rt.device) if rt.device.type == "cuda" else contextlib.nullcontext()
+        with torch.inference_mode(), rt.compute(), gpu:
             return idx, decode_batch(model, src, settings, lexicon, use_cache, static)
 
     threads, intra_op = min(decode_threads(settings, rt), len(batches)), torch.get_num_threads()

@@ -61,9 +61,10 @@ class DecoderStep:
             return self.out
         if not self.graphs:
             return self._run()
+        device = self.tokens.device  # every stream and the capture on this GPU, whichever is current
         if self.calls < self.warmup:
             self.calls += 1
-            side, current = _side_stream(self.tokens.device), torch.cuda.current_stream()
+            side, current = _side_stream(device), torch.cuda.current_stream(device)
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 out = self._run()
@@ -71,7 +72,7 @@ class DecoderStep:
             return out
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.device(device), torch.cuda.graph(graph):
                 self.out = self._run()
         except RuntimeError as exc:  # nothing ran during the capture: the step runs eagerly from here on
             self.graphs = False

@@ -126,10 +126,9 @@ def gpu_has_bf16(device: torch.device) -> bool:
 
 def resolve_precision(requested: str, device: torch.device) -> str:
     if device.type == "cuda":
-        bf16_ok = gpu_has_bf16(device)
         if requested == "auto":
-            return "bf16" if bf16_ok else "fp16"
-        if requested == "bf16" and not bf16_ok:
+            return "bf16" if gpu_has_bf16(device) else "fp16"
+        if requested == "bf16" and not gpu_has_bf16(device):
             raise ConfigError("train.precision=bf16 needs an Ampere or newer GPU; use fp16 (with loss scaling)")
         return requested
     if requested == "auto":
@@ -191,11 +190,11 @@ def setup(system: SystemConfig, placement: PlacementConfig, precision: str) -> R
         if device.type == "cuda" and world_size > 1:
             device = torch.device("cuda", local_rank)
         decoder_device = device
+    gpus = [d for d in (device, decoder_device) if d.type == "cuda"]
+    if gpus:  # the current device: where NCCL, new streams, CUDA graphs and calls without a device go (not cuda:0)
+        torch.cuda.set_device(gpus[0])
     if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" and decoder_device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" and decoder_device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = system.cudnn_benchmark and not system.deterministic
         # TF32 matmuls on Ampere+: fp32 accuracy is not needed for the fp32 master path of training.
