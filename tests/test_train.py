@@ -424,3 +424,18 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_fresh_opti
     meta = json.loads((tiny_data / "meta.json").read_text())
     with pytest.raises(ConfigError, match=r"another model than this run's model.\* settings"):
         initial_weights(make_cfg(tiny_data, tmp_path / "x", f"train.init_from={pre}", "model.ffn_dim=48"), meta)
+
+
+def test_each_log_interval_reports_its_own_peak_memory(monkeypatch):
+    """A peak since the process began would show a validation's (or the precision probe's fp32 steps') forever."""
+    from summarizer.train.watch.monitor import peak_memory_mb, reset_peak_memory
+    cpu = torch.device("cpu")
+    big = torch.ones(256 * 2**18)  # 256 MiB, touched
+    del big
+    before = peak_memory_mb(cpu)
+    reset_peak_memory(cpu)
+    assert peak_memory_mb(cpu) < before - 200
+    reset = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset.append)
+    reset_peak_memory(torch.device("cuda", 1))
+    assert reset == [torch.device("cuda", 1)]

@@ -20,7 +20,7 @@ from summarizer.outputs import atomic_write
 
 def peak_memory_mb(device: torch.device) -> float:
     """CUDA: peak bytes held by tensors (the caching allocator reserves more; nvidia-smi shows that).
-    CPU: the process's peak resident set size."""
+    CPU: the process's peak resident set size. Both since `reset_peak_memory`, else since the process began."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     # VmHWM is this address space's own high-water mark; ru_maxrss survives exec, so a freshly
@@ -30,6 +30,19 @@ def peak_memory_mb(device: torch.device) -> float:
             return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024
     except (OSError, StopIteration):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start `peak_memory_mb`'s peak anew at what is held now: each log interval reports its own peak, not that of
+    anything before it (a validation, the precision probe's fp32 steps)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux (proc(5), clear_refs): writing 5 resets the peak resident set size to the current one
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
 
 
 def current_memory_mb(device: torch.device) -> float:
@@ -221,6 +234,8 @@ class Window:
         self.steps, self.data_s, self.skipped, self.tokens = 0, 0.0, 0, 0
         self.flops, self.padded_flops = 0, 0  # model FLOPs of real tokens; FLOPs computed on padded shapes
         self.sums = torch.zeros(2, device=self.device)  # nll / global tokens, loss / global tokens
+        for device in self.rt.devices:
+            reset_peak_memory(device)
         self.started = self.clock()
 
     def add(self, out: dict, micro_batches: list[dict], data_s: float, flops: tuple[int, int] = (0, 0)) -> None:
