@@ -43,8 +43,9 @@ def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], r
     except the single finiteness check of the gradient norm (and, given `stats`, its one read of the
     per-module statistics, as out["modules"])."""
     total = sum(b["n_tgt"] for b in micro_batches)
-    if rt.distributed:  # every rank divides by the global token count, so DDP's mean is the exact mean
-        total = int(runtime.all_reduce_sum(torch.tensor(total, device=rt.device), rt))
+    if rt.distributed:  # every rank divides by the global token count, so DDP's mean is the exact mean; it stays
+        # on the device (a tensor), so summing it across ranks costs no host sync
+        total = runtime.all_reduce_sum(torch.tensor(float(total), device=rt.device), rt)
     losses, nlls = [], []
     for i, batch in enumerate(micro_batches):
         # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.

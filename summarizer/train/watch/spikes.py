@@ -23,7 +23,7 @@ from summarizer.runtime import Runtime
 
 def step_loss(out: dict, rt: Runtime) -> float:
     """The step's NLL per target token over all ranks (train_step's local sum over the global count)."""
-    return float(runtime.all_reduce_sum(out["nll_sum"].detach().float().reshape(1), rt)) / out["tokens"]
+    return float(runtime.all_reduce_sum(out["nll_sum"].detach().float().reshape(1), rt)) / float(out["tokens"])
 
 
 def limit(progress: dict, cfg: TrainConfig) -> float | None:
