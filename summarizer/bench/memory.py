@@ -8,7 +8,7 @@ import torch
 from summarizer import runtime
 from summarizer.config.load import from_dict, to_dict
 from summarizer.config.schema import Config
-from summarizer.train.watch.monitor import current_memory_mb, peak_memory_mb
+from summarizer.train.watch.monitor import current_memory_mb, peak_memory_mb, reset_peak_memory
 
 
 def _child(target, args: tuple, queue) -> None:
@@ -53,9 +53,9 @@ def _measure(cfg_dict: dict, variant: str, steps: int, batch_tokens: int) -> dic
     meta = read_meta(cfg.data.dir)
     model, optimizer = build(cfg, rt, meta)[:2]
     batch = move_batch(_synthetic_batch(cfg, batch_tokens, meta["vocab_size"]), rt.device)
-    if rt.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(rt.device)
-    base = peak_memory_mb(rt.device) if rt.device.type == "cuda" else current_memory_mb(rt.device)
+    for device in rt.devices:  # both GPUs of a split model: the decoder's holds the logits and the loss
+        reset_peak_memory(device)
+    base = {d: peak_memory_mb(d) if d.type == "cuda" else current_memory_mb(d) for d in rt.devices}
     kept, total = [], 0.0
     for _ in range(steps):
         if variant == "eval_tensor":  # evaluation with autograd on, summing loss tensors
@@ -80,9 +80,10 @@ def _measure(cfg_dict: dict, variant: str, steps: int, batch_tokens: int) -> dic
             kept = [out, loss]  # last step's outputs stay referenced while the next step allocates
         else:
             del out, loss
-    if rt.device.type == "cuda":
-        torch.cuda.synchronize(rt.device)
-    return {"peak_mb": peak_memory_mb(rt.device) - base}
+    for device in rt.devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return {"peak_mb": max(peak_memory_mb(d) - base[d] for d in rt.devices)}
 
 
 def peak_memory(cfg: Config, variant: str, steps: int, batch_tokens: int | None = None) -> dict:
