@@ -52,6 +52,45 @@ def test_placement_cpu_cpu_matches_single_device():
     assert runtime.unwrap(placed) is placed and placed.state_dict().keys() == model.state_dict().keys()
 
 
+def test_pipeline_chunks_queue_encoder_i_plus_1_before_decoder_i_and_its_hop_after(monkeypatch):
+    """A copy between two GPUs makes each one's stream wait for all the other has queued (a two-way barrier), so
+    the queue order decides whether the devices overlap: chunk i+1's memory must hop to the decoder only after
+    decoder chunk i is queued, with encoder chunk i+1 queued before both. The order is recorded here."""
+    import summarizer.runtime.placement as placement
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, n_heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=64, dropout=0.0)
+    placed = PlacedSeq2Seq(Seq2Seq(cfg, 40).eval(), torch.device("cpu"), torch.device("cpu"), chunks=3)
+    order, move, encoded, decoded = [], placement.move, placed._encoded, placed.decoder_output
+    names, decoding = {}, []
+
+    def record_move(x, device):
+        out = move(x, device)
+        if id(x) in names and not decoding:  # a memory, hopping to the decoder (a no-op inside decoder_output)
+            order.append(f"hop {names[id(x)]}")
+        return out
+
+    def record_encoded(x, src):
+        out = encoded(x, src)
+        names[id(out)] = len(names)
+        order.append(f"encoder {names[id(out)]}")
+        return out
+
+    def record_decoded(tgt, memory, src, state=None):
+        order.append(f"decoder {sum(o.startswith('decoder') for o in order)}")
+        decoding.append(True)
+        try:
+            return decoded(tgt, memory, src, state)
+        finally:
+            decoding.pop()
+
+    monkeypatch.setattr(placement, "move", record_move)
+    monkeypatch.setattr(placed, "_encoded", record_encoded)
+    monkeypatch.setattr(placed, "decoder_output", record_decoded)
+    placed(torch.randint(4, 40, (6, 5)), torch.randint(4, 40, (6, 4)))
+    assert order == ["encoder 0", "hop 0", "encoder 1", "decoder 0", "hop 1", "encoder 2", "decoder 1", "hop 2",
+                     "decoder 2"]
+
+
 def test_setup_single_process_cpu():
     rt = runtime.setup(SystemConfig(device="cpu"), PlacementConfig(), "fp32")
     assert rt.device == rt.decoder_device == torch.device("cpu") and rt.world_size == 1 and rt.is_main

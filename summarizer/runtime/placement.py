@@ -37,11 +37,16 @@ class PlacedSeq2Seq(nn.Module):
     def load_state_dict(self, *args, **kwargs):
         return self.inner.load_state_dict(*args, **kwargs)
 
+    def _embedded(self, src_ids: Tensor) -> Tensor:
+        """(B, S, D) source embeddings, made on the decoder device (the embedding's), on the encoder device."""
+        return move(self.inner.embed(move(src_ids, self.dec_dev)), self.enc_dev)
+
+    def _encoded(self, x: Tensor, src_ids: Tensor) -> Tensor:
+        """The memory, on the encoder device."""
+        return self.inner.run_encoder(x, self.inner.source_mask(move(src_ids, self.enc_dev)))
+
     def encode(self, src_ids: Tensor) -> Tensor:
-        src_dec = move(src_ids, self.dec_dev)
-        x = move(self.inner.embed(src_dec), self.enc_dev)  # (B, S, D) on the encoder device
-        memory = self.inner.run_encoder(x, self.inner.source_mask(move(src_ids, self.enc_dev)))
-        return move(memory, self.dec_dev)
+        return move(self._encoded(self._embedded(src_ids), src_ids), self.dec_dev)
 
     def decoder_output(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, state=None):
         return self.inner.decoder_output(move(tgt_in, self.dec_dev), move(memory, self.dec_dev),
@@ -64,13 +69,19 @@ class PlacedSeq2Seq(nn.Module):
     def forward(self, src_ids: Tensor, tgt_in: Tensor):
         if self.chunks <= 1:
             return self.decoder_output(tgt_in, self.encode(src_ids), src_ids)
+        # The order work is queued in is what lets the two GPUs overlap: a copy between them makes each device's
+        # stream wait for all the other has queued so far (torch's copy_device_to_device: a two-way barrier). So
+        # every chunk is embedded and sent to the encoder first; then encoder chunk i+1 is queued, then decoder
+        # chunk i, and only then does chunk i+1's memory hop to the decoder device. Hopping it before decoder
+        # chunk i was queued made that chunk wait for encoder chunk i+1: the chunks ran one after another.
         src_chunks, tgt_chunks = src_ids.chunk(self.chunks), tgt_in.chunk(self.chunks)
-        memories = [self.encode(src_chunks[0])]
-        outputs = []
+        embedded = [self._embedded(chunk) for chunk in src_chunks]
+        memory, outputs = move(self._encoded(embedded[0], src_chunks[0]), self.dec_dev), []
         for i in range(len(src_chunks)):
-            if i + 1 < len(src_chunks):  # queue the next encoder chunk before this decoder chunk
-                memories.append(self.encode(src_chunks[i + 1]))
-            outputs.append(self.decoder_output(tgt_chunks[i], memories[i], src_chunks[i]))
+            following = self._encoded(embedded[i + 1], src_chunks[i + 1]) if i + 1 < len(src_chunks) else None
+            outputs.append(self.decoder_output(tgt_chunks[i], memory, src_chunks[i]))
+            if following is not None:
+                memory = move(following, self.dec_dev)
         # Chunks share T but not S (each is padded to the whole batch's S already, so S matches too).
         return type(outputs[0])(*(None if parts[0] is None else torch.cat(parts, dim=0)
                                   for parts in zip(*outputs, strict=True)))
