@@ -197,6 +197,7 @@ def test_on_a_gpu_auto_is_bf16_only_where_the_hardware_has_it(monkeypatch, gpu, 
         yield
 
     monkeypatch.setattr(torch.cuda, "device", on)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported",
                         lambda including_emulation=True: gpu == "A100" or including_emulation)
     gpu1 = torch.device("cuda", 1)

@@ -120,6 +120,8 @@ def cpu_has_fast_bf16() -> bool:
 def gpu_has_bf16(device: torch.device) -> bool:
     """bf16 in the GPU's hardware: Ampere or newer (or ROCm). torch.cuda.is_bf16_supported() by default also says
     yes where bf16 is only emulated, slowly (V100, T4: its including_emulation=True), and asks the current device."""
+    if not torch.cuda.is_available():
+        return False
     with torch.cuda.device(device):
         return torch.cuda.is_bf16_supported(including_emulation=False)
 
