@@ -35,8 +35,12 @@ class Rules:
     follow their beams via `advance` and `select`."""
 
     def __init__(self, src_ids: Tensor, group: int, settings: EvalConfig, lexicon: Lexicon | None):
-        self.s, self.lexicon = settings, lexicon
+        self.s = settings
         self.min_bytes = settings.truncate_bytes if lexicon is not None else 0
+        # on the search's device once: indexing a CPU table, or with a Python list, would copy it there, and wait
+        # for the device, at every step
+        self.piece_bytes = lexicon.on(src_ids.device).piece_bytes if lexicon is not None else None
+        self.never = torch.tensor([PAD, BOS], device=src_ids.device)
         self.bytes = torch.zeros(src_ids.shape[0] * group, device=src_ids.device)  # (R,) UTF-8 bytes so far
         # (R,) the fewest tokens before EOS: min_len, but never more than the row's own source has.
         self.min_len = (src_ids != PAD).sum(dim=1).clamp(max=settings.min_len).repeat_interleave(group)
@@ -47,7 +51,7 @@ class Rules:
 
     def apply(self, log_probs: Tensor, step: int, prefixes: Tensor) -> Tensor:
         """(R, V) scores of the next token (the step's own tensor), every forbidden token set to -inf in place."""
-        log_probs[:, [PAD, BOS]] = float("-inf")
+        log_probs.index_fill_(1, self.never, float("-inf"))
         if self.words is not None:
             self.words.mask(log_probs)
         if step < self.s.min_len:
@@ -63,8 +67,8 @@ class Rules:
     def advance(self, parents: Tensor, tokens: Tensor, group: int | None = None) -> None:
         """Row i now continues row parents[i] with tokens[i]; `group` rows per sentence from now on if given."""
         self.bytes, self.min_len = self.bytes[parents], self.min_len[parents]
-        if self.lexicon is not None:
-            self.bytes += self.lexicon.piece_bytes.to(tokens.device)[tokens]
+        if self.piece_bytes is not None:
+            self.bytes += self.piece_bytes[tokens]
         if self.words is not None:
             self.words.advance(parents, tokens, group)
 
