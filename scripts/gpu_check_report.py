@@ -148,6 +148,9 @@ def profile_rows(out: Path) -> tuple[list[tuple], list[str]]:
         label = f"decode beam {r['beam']}, {r['sentences']} sentences"
         rows.append((PARTS[6], f"{label}: seconds", r["wall_s"], None))
         rows.append((PARTS[6], f"{label}: values read back to the host a step", r["host_reads_per_step"], None))
+        if "device_syncs_per_step" in r:
+            rows.append((PARTS[6], f"{label}: waits for the GPU a step (sync debug mode)", r["device_syncs_per_step"],
+                         None))
         if "device_share" in r:
             rows.append((PARTS[6], f"{label}: share of the time the GPU is busy", r["device_share"], None))
         notes.append(f"{PARTS[6]}, decode: most time: " + ", ".join(

@@ -173,3 +173,17 @@ def test_only_the_parts_asked_for_run(tmp_path):
     assert "1 train, train fp32: skipped: not among GPU_CHECK_PARTS (4 6)" in table
     assert "6 profile, profile decode: skipped: no checkpoint: part 1's fp32 run did not finish" in table
     assert re.search(r"6 profile, train fp32, first steps: most time: aten::", table), table
+
+
+def test_the_decode_profile_rows_include_the_gpus_waits(tmp_path):
+    decode = tmp_path / "profile" / "decode"
+    decode.mkdir(parents=True)
+    (decode / "bench.json").write_text(json.dumps([{
+        "practice": "decode_profile", "beam": 4, "sentences": 2000, "wall_s": 0.5, "host_reads_per_step": 3.0,
+        "device_syncs_per_step": 4.0, "device_share": 0.6}]))
+    rows, _ = report.profile_rows(tmp_path)
+    assert [(r[1], r[2]) for r in rows] == [
+        ("decode beam 4, 2000 sentences: seconds", 0.5),
+        ("decode beam 4, 2000 sentences: values read back to the host a step", 3.0),
+        ("decode beam 4, 2000 sentences: waits for the GPU a step (sync debug mode)", 4.0),
+        ("decode beam 4, 2000 sentences: share of the time the GPU is busy", 0.6)]

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import io
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -128,15 +129,16 @@ def decode_row(cfg: Config, beam: int, against: str) -> dict:
 
 
 def decode_rate(cfg: Config, use_cache: bool) -> dict:
-    """Beam-4 sentences/s on the first `bench.decode_sentences` valid (or train) sources."""
-    rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
+    """Beam-4 sentences/s on the first `bench.decode_sentences` valid (or train) sources, in decoding's precision
+    and the dynamic search on both sides (the static one has no cache-free form: on a GPU it would be the row)."""
+    rt = runtime.setup(cfg.system, cfg.placement, decoding_precision(cfg))
     torch.manual_seed(cfg.train.seed)
     meta = read_meta(cfg.data.dir)
     model = build(cfg, rt, meta)[0]
     ds = PairDataset.from_dir(cfg.data.dir, valid_split(meta, speed_only=True), cfg.data)
     n = min(cfg.bench.decode_sentences, len(ds), 64)  # recomputing every prefix is slow
     sources = [ds[i][0] for i in range(n)]
-    settings = dataclasses.replace(cfg.eval, beam_size=4)
+    settings = dataclasses.replace(cfg.eval, beam_size=4, shapes="dynamic")
     rates = []
     for repeat in range(cfg.bench.warmup + cfg.bench.repeats):
         started = time.perf_counter()
@@ -146,12 +148,15 @@ def decode_rate(cfg: Config, use_cache: bool) -> dict:
     return stats(rates)
 
 
-def summarize_row(cfg: Config) -> dict:
+def summarize_row(cfg: Config, cuda: bool = False) -> dict:
     """lines/s of `summarize` on raw text (normalise, tokenize, decode, detokenize, write) with the default
-    decoding settings ("on") against the same with eval.quantize=none ("off": float32 linear layers)."""
+    decoding settings ("on") against the same with eval.quantize=none on a CPU ("off": float32 linear layers),
+    with the dynamic search on a GPU (where the default has no int8 layers to take away: static shapes, a CUDA
+    graph per step)."""
     from summarizer import summarize
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, checkpoint=str(weights(cfg))))
-    unquantized = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, quantize="none"))
+    unquantized = dataclasses.replace(cfg, eval=dataclasses.replace(
+        cfg.eval, **({"shapes": "dynamic"} if cuda else {"quantize": "none"})))
     n = cfg.bench.decode_sentences
     split = "test" if "test" in read_meta(cfg.data.dir)["splits"] else "valid"
     text = "".join(p["source"] + "\n" for p in read_pairs(cfg.data.dir, split)[:n]).encode()
@@ -205,8 +210,24 @@ def profile_row(cfg: Config, beam: int = 4, top: int = 12) -> dict:
         row["device_share"] = row["device_s"] / wall
         row["top_device_ops"] = [{"op": e.key, "calls": e.count, "self_s": e.self_device_time_total / 1e6}
                                  for e in device[:top]]
+        row["device_syncs_per_step"] = device_syncs(lambda: decode_all(model, sources, settings, rt, lexicon=lex),
+                                                    rt.decoder_device) / max(steps, 1)
     atomic_write(cfg.run_dir / "decode_profile.txt", averages.table(sort_by=sort, row_limit=40))
     return row
+
+
+def device_syncs(work: Callable[[], object], device: torch.device) -> int:
+    """How many times `work` made the host wait for the GPU: CUDA's sync debug mode warns at every operation that
+    synchronizes (a value read back, a blocking copy either way, nonzero), which the operator counts of a profile
+    only partly show (.tolist() and blocking copies are plain copies there)."""
+    with torch.cuda.device(device), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            work()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
 def file_row(cfg: Config) -> dict:

@@ -48,7 +48,8 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
                           pair(t(("train", "log_every", cfg.bench.steps), observe=True), t())),
         "fused_loss": ("fused vocabulary loss vs autograd logsumexp/gather/mean", "tokens/s", "higher", pair(
             t(("train", "fused_loss", True)), t(("train", "fused_loss", False)))),
-        "attention_kernel": ("explicit attention vs SDPA math kernel" if not cuda else "SDPA default vs math",
+        "attention_kernel": ("explicit attention vs SDPA math kernel" if not cuda else
+                             "SDPA flash or memory-efficient kernels (auto: never cuDNN's) vs math",
                              "tokens/s", "higher", pair(t(("system", "sdpa_backend", "auto")),
                                                         t(("system", "sdpa_backend", "math")))),
         "fast_dropout": ("dropout masks from SFC64 bits vs torch's bernoulli_", "tokens/s", "higher", pair(
@@ -96,8 +97,9 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
                                  ("train", "fused_optimizer", False), fixed_batches=True, item_every_step=True))),
     }
     if weights(cfg).is_file():
-        table["summarize"] = ("summarize, raw text in, summaries out: default settings vs eval.quantize=none "
-                              "(fp32)", "lines/s", "higher", lambda: summarize_row(cfg))
+        table["summarize"] = ("summarize, raw text in, summaries out: default settings vs "
+                              + ("the dynamic search" if cuda else "eval.quantize=none (fp32)"), "lines/s", "higher",
+                              lambda: summarize_row(cfg, cuda))
     if best != "fp32":
         table["decode_bf16"] = (f"beam 4 decoding in {best} vs float32", "sentences/s", "higher",
                                 lambda: decode_row(cfg, 4, best))
@@ -117,6 +119,7 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
                                          t(*split, ("placement", "pipeline_chunks", 1))))
     if cuda:
         table.pop("kernel_cache")
+        table.pop("decode_int8")
     if best == "fp32":
         for name in ("precision_bf16", "precision_bf16_epoch2", "memory_precision"):
             table.pop(name)
@@ -128,6 +131,7 @@ NOT_HERE = {"precision_bf16": "no fast bf16 on this device", "decode_bf16": "no 
             "precision_fp16_epoch2": "needs CUDA",
             "pin_memory": "needs CUDA (pinning only speeds up host-to-GPU copies)",
             "cudnn_benchmark": "needs CUDA", "kernel_cache": "a CPU (oneDNN) setting",
+            "decode_int8": "a CPU decoding mode (int8 linear layers)",
             "pipeline_chunks": "needs two GPUs", "summarize": "needs trained weights (bench.checkpoint, or best.pt)",
             "memory_precision": "no 16-bit mode worth measuring on this device"}
 

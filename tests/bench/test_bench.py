@@ -210,3 +210,39 @@ def test_a_bench_stopped_midway_keeps_the_rows_it_measured(cfg, monkeypatch):
         run_bench(cfg)
     kept = json.loads((cfg.run_dir / "bench.json").read_text())
     assert [r["practice"] for r in kept] == ["set_to_none", "pin_memory"] and kept[0]["ratio"] > 0
+
+
+def test_on_a_gpu_the_rows_compare_what_a_gpu_runs(cfg, monkeypatch):
+    """int8 decoding is a CPU mode (skipped there, not failed); the attention row names auto's kernels; the KV-cache
+    row decodes as eval does, in the dynamic search on both sides (on a GPU auto would make its "on" side static)."""
+    import summarizer.bench.decoding as decoding
+    from summarizer import runtime
+    monkeypatch.setattr(runtime, "resolve_device", lambda name: torch.device("cuda"))
+    table = rows(cfg)
+    assert "decode_int8" not in table and NOT_HERE["decode_int8"].startswith("a CPU decoding mode")
+    assert "never cuDNN" in table["attention_kernel"][0]
+    monkeypatch.undo()
+    seen = []
+    monkeypatch.setattr(decoding, "decode_all", lambda model, sources, settings, rt, **kw: seen.append(
+        (settings.shapes, rt.precision, kw["use_cache"])))
+    decoding.decode_rate(cfg, True)
+    decoding.decode_rate(cfg, False)
+    assert {s for s, _, _ in seen} == {"dynamic"} and {c for _, _, c in seen} == {True, False}
+    assert {p for _, p, _ in seen} == {runtime.resolve_precision(decoding.decoding_precision(cfg), torch.device("cpu"))}
+
+
+def test_device_syncs_counts_the_warnings_of_cudas_sync_debug_mode(monkeypatch):
+    import contextlib
+    import warnings
+
+    import summarizer.bench.decoding as decoding
+    modes = []
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def work():
+        for message in ("called a synchronizing CUDA operation", "something else",
+                        "called a synchronizing CUDA operation"):
+            warnings.warn(message, stacklevel=1)
+
+    assert decoding.device_syncs(work, torch.device("cuda")) == 2 and modes == ["warn", "default"]
