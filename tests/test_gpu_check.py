@@ -187,3 +187,21 @@ def test_the_decode_profile_rows_include_the_gpus_waits(tmp_path):
         ("decode beam 4, 2000 sentences: values read back to the host a step", 3.0),
         ("decode beam 4, 2000 sentences: waits for the GPU a step (sync debug mode)", 4.0),
         ("decode beam 4, 2000 sentences: share of the time the GPU is busy", 0.6)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("bash") and shutil.which("timeout")), reason="needs bash and timeout")
+def test_a_step_the_budget_cuts_short_is_reported_not_failed(tmp_path):
+    """The budget cuts a run that would take far longer: the check still exits 0, the note says so, and what the run
+    logged before the cut is in the table."""
+    from data_prep.__main__ import main as prep
+    assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tmp_path / 'data'}"]) == 0
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "100000", "OUT": str(tmp_path / "out"),
+           "PYTHON": sys.executable, "GPU_CHECK_PARTS": "1", "GPU_CHECK_SECONDS": "45"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "data")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert re.search(r"1 train, train fp32: cut short after \d+s, when the time budget", table), table
+    assert "| 1 train | train.precision=fp32: tokens/s" in table
+    assert "1 train, train bf16: skipped: the time budget (GPU_CHECK_SECONDS=45) is spent" in table
