@@ -276,3 +276,19 @@ def test_default_decoding_on_either_kind_of_cpu_is_fp32_with_int8_layers(trained
     settings = json.loads((out / "rouge.json").read_text())["settings"]
     assert (settings["precision"], settings["quantize"]) == ("fp32", "int8")
     assert (settings["shapes"], settings["batch_tokens"]) == ("dynamic", 16_384)
+
+
+def test_on_a_gpu_a_few_sentences_are_decoded_before_the_clock_starts(monkeypatch):
+    """A GPU's first decode pays one-off costs (cuBLAS handles, kernel modules) that are start-up; a CPU needs
+    none. decode_all is recorded (the GPU branch runs on any machine)."""
+    from summarizer.config.load import load_config
+    from summarizer.evaluation import evaluate as ev
+    from summarizer.runtime import Runtime
+    decoded = []
+    monkeypatch.setattr(ev, "decode_all", lambda model, ids, settings, rt, lexicon: decoded.append(len(ids)))
+    cfg = load_config(None, [])
+    ids = [[5, 6]] * 20
+    ev.warm_up(None, ids, cfg, Runtime(torch.device("cpu"), torch.device("cpu"), "fp32"), None)
+    assert decoded == []
+    ev.warm_up(None, ids, cfg, Runtime(torch.device("cuda"), torch.device("cuda"), "fp32"), None)
+    assert decoded == [8]
