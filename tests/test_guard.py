@@ -205,3 +205,39 @@ def test_a_run_dir_moved_away_stops_the_run_even_once_a_write_made_it_again(tiny
                                                             "train.eval_every=5", f"run.tensorboard_dir={tmp_path}/tb"))
     with pytest.raises(guard.TrainingAborted, match="was removed while the run trained"):
         train_mod.train(cfg)
+
+
+def test_a_checkpoint_only_one_rank_may_write_does_not_gather_the_ranks_streams(monkeypatch):
+    """Under DDP a checkpoint gathers every rank's random streams, a collective: only where every rank saves at that
+    step (its interval, the end, early stopping). A signal that came during this rank's validation makes this rank
+    alone save; gathering there would wait for ranks that never join."""
+    import types
+
+    import summarizer.train.loop as loop_mod
+    from summarizer.train.guard import StopRequested
+    saved = []
+    monkeypatch.setattr(loop_mod, "check_run_dir", lambda session: None)
+    monkeypatch.setattr(loop_mod, "save_now", lambda session, every_rank=True: saved.append(every_rank))
+
+    def signalled_validation(session, extra, rouge, interruptible):
+        stop.signum = 15
+        raise StopRequested
+
+    monkeypatch.setattr(loop_mod, "validate", signalled_validation)
+    class Stop(types.SimpleNamespace):
+        requested = property(lambda self: self.signum is not None)
+
+    train = types.SimpleNamespace(max_minutes=0, max_steps=100, log_every=1000, rouge_every=0, eval_every=10,
+                                  ckpt_every=20)
+    stop = Stop(signum=None, name="SIGTERM", interruptible=None)
+    window = types.SimpleNamespace(reset=lambda: None)
+    session = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(train=train), progress={"step": 10, "elapsed_s": 0.0},
+        rt=types.SimpleNamespace(distributed=False), scheduler=types.SimpleNamespace(get_last_lr=lambda: [1e-3]),
+        monitor=types.SimpleNamespace(write=lambda message: None))
+    loop = types.SimpleNamespace(stop=stop, window=window)
+    assert loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0)}) is True
+    assert saved == [False]
+    session.progress["step"], stop.signum = 20, None  # the checkpoint interval, with the same signal
+    assert loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0)}) is True
+    assert saved == [False, True]

@@ -205,8 +205,9 @@ def after_step(session: Session, loop: Loop, out: dict) -> bool:
         except StopRequested:
             session.monitor.write(f"step {step}: validation abandoned for the checkpoint ({loop.stop.name})")
         window.reset()  # evaluation is not training throughput
-    if step % train_cfg.ckpt_every == 0 or final or early_stop or loop.stop.requested:
-        save_now(session)
+    scheduled = step % train_cfg.ckpt_every == 0 or final or early_stop  # the same on every rank
+    if scheduled or loop.stop.requested:  # a signal that came during this step's validation: this rank's own
+        save_now(session, every_rank=scheduled)
         window.reset()  # nor is checkpoint writing
     if time_up or early_stop or loop.stop.requested:
         reason = loop.stop.name or ("time limit" if time_up else "early stopping")
