@@ -26,6 +26,17 @@ def sharp_model() -> Seq2Seq:
     return m
 
 
+def ragged_sources(rows: int) -> torch.Tensor:
+    """(rows, 9) source ids of sharp_model's vocabulary, seeded; rows 1, 3 and 5 (where present) padded after 6, 4
+    and 2 tokens, so a batch holds sources of several lengths."""
+    torch.manual_seed(1)
+    src = torch.randint(4, 40, (rows, 9))
+    for row, length in ((1, 6), (3, 4), (5, 2)):
+        if row < rows:
+            src[row, length:] = 0
+    return src
+
+
 def word_rules_model(data_dir) -> tuple:
     """(tokenizer, known words, Lexicon of them, model): a random model that would happily invent words."""
     tokenizer = open_tokenizer(data_dir)

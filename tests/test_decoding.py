@@ -15,7 +15,7 @@ from summarizer.decode.rules import _block_repeats
 from summarizer.decode.search import beam_search, greedy
 from summarizer.model.transformer import Seq2Seq
 from summarizer.runtime import Runtime
-from tests.decoding_models import PLAIN, padded, settings, sharp_model, word_rules_model
+from tests.decoding_models import PLAIN, padded, ragged_sources, settings, sharp_model, word_rules_model
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +25,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def sources():
-    torch.manual_seed(1)
-    src = torch.randint(4, 40, (5, 9))
-    src[1, 6:] = 0
-    src[3, 4:] = 0
-    return src
+    return ragged_sources(5)
 
 
 def test_beam_size_one_equals_greedy(model, sources):

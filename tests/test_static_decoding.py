@@ -14,7 +14,7 @@ from summarizer.decode.static import DecoderStep, static_search
 from summarizer.model.attention import explicit_attention
 from summarizer.model.transformer import Seq2Seq
 from summarizer.runtime import Runtime
-from tests.decoding_models import padded, settings, sharp_model, word_rules_model
+from tests.decoding_models import padded, ragged_sources, settings, sharp_model, word_rules_model
 
 
 def eager(model, src, s: EvalConfig, lexicon=None):
@@ -28,12 +28,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def sources():
-    torch.manual_seed(1)
-    src = torch.randint(4, 40, (7, 9))
-    src[1, 6:] = 0
-    src[3, 4:] = 0
-    src[5, 2:] = 0
-    return src
+    return ragged_sources(7)
 
 
 @pytest.mark.parametrize("beam, n, min_len, max_len", [(1, 0, 1, 12), (1, 2, 3, 12), (4, 0, 1, 12), (4, 3, 2, 6),
