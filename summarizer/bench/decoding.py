@@ -139,10 +139,10 @@ def decode_rate(cfg: Config, use_cache: bool) -> dict:
     n = min(cfg.bench.decode_sentences, len(ds), 64)  # recomputing every prefix is slow
     sources = [ds[i][0] for i in range(n)]
     settings = dataclasses.replace(cfg.eval, beam_size=4, shapes="dynamic")
-    rates = []
+    rates, lex = [], lexicon(cfg.data.dir)
     for repeat in range(cfg.bench.warmup + cfg.bench.repeats):
         started = time.perf_counter()
-        decode_all(model, sources, settings, rt, lexicon=lexicon(cfg.data.dir), use_cache=use_cache)
+        decode_all(model, sources, settings, rt, lexicon=lex, use_cache=use_cache)
         if repeat >= cfg.bench.warmup:
             rates.append(n / (time.perf_counter() - started))
     return stats(rates)
