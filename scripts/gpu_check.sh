@@ -9,7 +9,8 @@
 # Environment: PYTHON, OUT (default gpu_check_out, must not hold an earlier check), GPU_CHECK_STEPS (300),
 # GPU_CHECK_CONFIG (configs/base.yaml; configs/tiny.yaml on a CPU), GPU_CHECK_SECONDS (450: parts are
 # skipped once it is spent), GPU_CHECK_PARTS ("1 2 3 4 5 6": the parts to run; 3 and 6 decode part 1's fp32 run),
-# GPU_CHECK_GW_MINUTES (0.75 per precision), GPU_CHECK_GW_PAIRS (100000).
+# GPU_CHECK_GW_MINUTES (0.75 per precision), GPU_CHECK_GW_PAIRS (100000), GPU_CHECK_GW_DATA (part 5's synthetic
+# pairs already prepared with configs/gigaword.yaml, for a machine without the `datasets` package data_prep needs).
 set -uo pipefail
 [ $# -eq 1 ] && [ -f "$1/meta.json" ] || { echo "usage: bash scripts/gpu_check.sh DATA_DIR (a prepared data dir:" \
   "python -m data_prep --config configs/base.yaml data.source=DIR data.dir=DATA_DIR)" >&2; exit 2; }
@@ -97,13 +98,14 @@ fi
 
 # 5. gigaword.yaml's model (60M parameters, 16k-token batches, 32k vocabulary) on synthetic pairs.
 if [ "$DEV" = cuda ]; then
-  SYN="$OUT/synthetic"
-  step 5 "synthetic pairs" 60 "$PY" scripts/gpu_check_report.py synth "$DATA" "$SYN/pairs" \
-      --pairs "${GPU_CHECK_GW_PAIRS:-100000}" &&
-    step 5 "prep 32k vocabulary" 150 "$PY" -m data_prep --config configs/gigaword.yaml "data.source=$SYN/pairs" \
-      "data.dir=$SYN/data" &&
+  SYN=${GPU_CHECK_GW_DATA:-$OUT/synthetic/data}
+  { [ -n "${GPU_CHECK_GW_DATA:-}" ] ||
+    { step 5 "synthetic pairs" 60 "$PY" scripts/gpu_check_report.py synth "$DATA" "$OUT/synthetic/pairs" \
+        --pairs "${GPU_CHECK_GW_PAIRS:-100000}" &&
+      step 5 "prep 32k vocabulary" 150 "$PY" -m data_prep --config configs/gigaword.yaml \
+        "data.source=$OUT/synthetic/pairs" "data.dir=$SYN"; }; } &&
     for p in bf16 fp32; do
-      step 5 "gigaword $p" 120 "$PY" -m summarizer train --config configs/gigaword.yaml "data.dir=$SYN/data" \
+      step 5 "gigaword $p" 120 "$PY" -m summarizer train --config configs/gigaword.yaml "data.dir=$SYN" \
         "run.tensorboard_dir=$OUT/tb" "run.name=gc_gigaword_$p" "run.dir=$OUT/gigaword/$p" "train.precision=$p" \
         "train.max_minutes=${GPU_CHECK_GW_MINUTES:-0.75}" $(schedule 100000 50)
     done
