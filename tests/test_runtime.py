@@ -233,9 +233,17 @@ def test_a_run_on_a_second_gpu_makes_it_the_current_device(monkeypatch):
     """Without it, cuda:0 stays current: new streams, CUDA graph captures and calls that take no device go there
     while the run's kernels go to cuda:1. The GPU calls are recorded (the branch runs on any machine)."""
     current = []
+
+    def set_device(device):  # torch's: a device without an index is refused
+        if device.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        current.append(device)
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(runtime.device, "gpu_has_bf16", lambda device: True)
     cudnn_benchmark = torch.backends.cudnn.benchmark
     try:
         rt = runtime.setup(SystemConfig(device="cuda:1"), PlacementConfig(), "fp32")
@@ -243,5 +251,9 @@ def test_a_run_on_a_second_gpu_makes_it_the_current_device(monkeypatch):
         current.clear()
         runtime.setup(SystemConfig(), PlacementConfig(encoder_device="cpu", decoder_device="cuda:1"), "fp32")
         assert current == [torch.device("cuda", 1)]
+        for name in ("cuda", "auto"):  # a bare "cuda" (auto's choice too) is the current GPU, by number
+            current.clear()
+            rt = runtime.setup(SystemConfig(device=name), PlacementConfig(), "auto")
+            assert rt.device == rt.decoder_device == torch.device("cuda", 0) and current == [torch.device("cuda", 0)]
     finally:
         torch.backends.cudnn.benchmark = cudnn_benchmark

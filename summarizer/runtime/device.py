@@ -92,7 +92,7 @@ def move_batch(batch: dict, device: torch.device) -> dict:
 
 def resolve_device(name: str) -> torch.device:
     if name in ("", "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -102,6 +102,8 @@ def resolve_device(name: str) -> torch.device:
             raise ConfigError(f"device '{name}' asked for, but this machine has no CUDA GPU; use cpu or auto")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ConfigError(f"device '{name}' asked for, but only {torch.cuda.device_count()} GPU(s) exist")
+        if device.index is None:  # one GPU by number: torch.cuda.set_device and CUDA graphs refuse a bare "cuda"
+            device = torch.device("cuda", torch.cuda.current_device())
     elif device.type != "cpu":
         raise ConfigError(f"device type '{device.type}' is not supported; use cpu or cuda")
     return device
