@@ -13,7 +13,6 @@ from summarizer.decode.search import beam_search, decode_all, greedy, static_sha
 from summarizer.decode.static import DecoderStep, static_search
 from summarizer.model.attention import explicit_attention
 from summarizer.model.transformer import Seq2Seq
-from summarizer.runtime import Runtime
 from tests.decoding_models import padded, ragged_sources, settings, sharp_model, word_rules_model
 
 
@@ -69,15 +68,9 @@ def test_every_step_of_a_static_decode_has_the_same_shapes(model, sources):
     assert all(k.shape == (rows, 4, 5, 8) for k, _ in state.self_kv)
 
 
-def test_static_shapes_are_used_where_a_gpu_decodes_the_whole_model(model):
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    auto, on, off = (EvalConfig(shapes=v) for v in ("auto", "static", "dynamic"))
-    assert static_shapes(auto, Runtime(cuda, cuda, "fp32"), model)
-    assert not static_shapes(auto, Runtime(cpu, cpu, "fp32"), model)
-    assert not static_shapes(auto, Runtime(cuda, cpu, "fp32"), model)  # split over devices: eager
-    assert not static_shapes(auto, Runtime(cuda, cuda, "fp32"), object())  # a placed model: eager
-    assert static_shapes(on, Runtime(cpu, cpu, "fp32"), model)
-    assert not static_shapes(off, Runtime(cuda, cuda, "fp32"), model)
+def test_static_shapes_are_used_only_where_asked_for():
+    """auto is the dynamic search: measured faster on a CPU and, at beam 4, on a GPU (docs/results.md)."""
+    assert [static_shapes(EvalConfig(shapes=v)) for v in ("auto", "static", "dynamic")] == [False, True, False]
 
 
 def test_decode_all_with_static_shapes_returns_the_same_outputs(model):
