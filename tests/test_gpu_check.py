@@ -153,8 +153,11 @@ def test_cpu_mode_runs_every_part_and_prints_a_number_per_row(tmp_path):
     assert "cuda:0 + cuda:1, DDP: skipped: needs two GPUs" in table
     assert re.search(r"6 profile, train (fp32|bf16), first steps: most time: aten::", table), table
     assert "6 profile, decode: most time: aten::" in table or "6 profile, decode: most time: quantized::" in table
-    equal = [r for r in rows if r[0] == "3 eval" and "equal to the dynamic" in r[1] and ", fp32, " in r[1]]
-    assert equal and all(float(r[2]) == 1 for r in equal)  # the default's outputs are the dynamic fp32 search's
+    equal = {re.search(r"\((\w+)\): share", r[1]).group(1): float(r[2]) for r in rows
+             if r[0] == "3 eval" and "equal to the dynamic" in r[1]}
+    assert equal["beam4_auto_auto"] == equal["greedy_auto_auto"] == 1  # the default's are the dynamic fp32 search's
+    # static shapes: the same in float32 up to rounding, which a 20-step model's near ties can show
+    assert equal["beam4_fp32_static"] > 0.9 and equal["greedy_fp32_static"] > 0.9
 
 
 @pytest.mark.slow
