@@ -192,8 +192,9 @@ def machine(device: str) -> str:
                   if ln.startswith("model name")]
         name = f"CPU {models[0] if models else platform.processor()} ({torch.get_num_threads()} threads)"
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
+        # "-dirty" when the tree differs from the commit: the code that ran is then not the commit named
+        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                                text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     return f"{name}; torch {torch.__version__}; commit {commit}"
