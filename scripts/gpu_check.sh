@@ -6,9 +6,12 @@
 # run in the order of what they decide (1, 3, 5, 2, 6, 4), and those the budget no longer reaches are listed as skipped.
 #   bash scripts/gpu_check.sh DATA_DIR         # DATA_DIR: prepared with configs/base.yaml
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_STEPS=20 bash scripts/gpu_check.sh DATA_DIR   # the same steps on a CPU, tiny
+# Every part does not fit 8 minutes on one GPU: parts 1, 3 and 5 take about 7. The rest in a second call:
+#   GPU_CHECK_PARTS="1 2 6" GPU_CHECK_PRECISIONS=fp32 OUT=gpu_check_out2 bash scripts/gpu_check.sh DATA_DIR
 # Environment: PYTHON, OUT (default gpu_check_out, must not hold an earlier check), GPU_CHECK_STEPS (300),
 # GPU_CHECK_CONFIG (configs/base.yaml; configs/tiny.yaml on a CPU), GPU_CHECK_SECONDS (450: parts are
 # skipped once it is spent), GPU_CHECK_PARTS ("1 2 3 4 5 6": the parts to run; 3 and 6 decode part 1's fp32 run),
+# GPU_CHECK_PRECISIONS ("fp32 bf16 fp16 auto": part 1's runs),
 # GPU_CHECK_GW_MINUTES (0.75 per precision), GPU_CHECK_GW_PAIRS (100000), GPU_CHECK_GW_DATA (part 5's synthetic
 # pairs already prepared with configs/gigaword.yaml, for a machine without the `datasets` package data_prep needs).
 set -uo pipefail
@@ -76,7 +79,7 @@ TRAIN=("$PY" -m summarizer train "${COMMON[@]}")
 
 # 1. The recipe from a cold start in each precision, each in its own process; auto: what it chose (on a GPU, by a
 # probe timing fp32 against bf16 on the run's first batches) and whether it trains as fast as the faster of the two.
-for p in fp32 bf16 fp16 auto; do
+for p in ${GPU_CHECK_PRECISIONS:-fp32 bf16 fp16 auto}; do
   step 1 "train $p" 120 "${TRAIN[@]}" "run.name=gc_$p" "run.dir=$OUT/train/$p" "train.precision=$p" \
     $(schedule "$STEPS" "$LOG")
 done
