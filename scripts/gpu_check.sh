@@ -86,15 +86,19 @@ done
 
 # 3. The fp32 run's best.pt decoded on the test split at beam 4 and greedy: the dynamic fp32 search (the reference),
 # the default (auto; on a GPU the same settings, so the two show run-to-run noise), static shapes (a CUDA graph per
-# step) and, at beam 4, bf16. The report compares each one's predictions and speed with the reference's.
+# step), at beam 4 bf16, and batches 4x the default's (the whole split in one or two batches: a step's cost is its
+# launches, so fewer, fuller steps). The report compares each one's predictions and speed with the reference's.
 LIMIT=$([ "$DEV" = cuda ] && echo 0 || echo 40)
 if [ -f "$OUT/train/fp32/best.pt" ]; then
-  for e in beam4:4:fp32:dynamic beam4:4:auto:auto beam4:4:fp32:static beam4:4:bf16:dynamic greedy:1:fp32:dynamic \
-      greedy:1:auto:auto greedy:1:fp32:static; do
-    IFS=: read -r name beam p shapes <<< "$e"
-    step 3 "eval ${name}_${p}_$shapes" 90 "$PY" -m summarizer eval "${COMMON[@]}" run.name=gc_fp32 \
-      "run.dir=$OUT/train/fp32" "eval.out_dir=$OUT/eval/${name}_${p}_$shapes" "eval.beam_size=$beam" \
-      "eval.precision=$p" "eval.shapes=$shapes" "eval.limit=$LIMIT" eval.bootstrap_samples=200
+  BIG=$([ "$DEV" = cuda ] && echo 524288 || echo 65536)
+  for e in beam4:4:fp32:dynamic: beam4:4:auto:auto: beam4:4:fp32:static: beam4:4:bf16:dynamic: \
+      "beam4:4:fp32:dynamic:$BIG" greedy:1:fp32:dynamic: greedy:1:auto:auto: greedy:1:fp32:static: \
+      "greedy:1:fp32:dynamic:$BIG"; do
+    IFS=: read -r name beam p shapes batch <<< "$e"
+    run=${name}_${p}_$shapes${batch:+_$batch}
+    step 3 "eval $run" 90 "$PY" -m summarizer eval "${COMMON[@]}" run.name=gc_fp32 "run.dir=$OUT/train/fp32" \
+      "eval.out_dir=$OUT/eval/$run" "eval.beam_size=$beam" "eval.precision=$p" "eval.shapes=$shapes" \
+      "eval.batch_tokens=${batch:-0}" "eval.limit=$LIMIT" eval.bootstrap_samples=200
   done
 else
   skip 3 eval "no checkpoint: part 1's fp32 run did not finish (failed, or not run)"
