@@ -183,7 +183,7 @@ class EvalConfig:
     precision: str = key("auto", choices=PRECISIONS)  # decoding: auto = fp32 (int8 layers on a CPU, TF32 on a GPU)
     quantize: str = key("auto", choices=("auto", "none", "int8"))  # auto: int8 where decoding runs on CPU in fp32
     # static: a fixed-size KV cache and every row kept to the batch's end, one shape for every step, which a GPU
-    # replays as a CUDA graph (summarizer/decode/static.py); auto = static where one GPU decodes, dynamic on a CPU
+    # replays as a CUDA graph (summarizer/decode/static.py); auto = dynamic, measured faster on a CPU and a GPU
     shapes: str = key("auto", choices=("auto", "static", "dynamic"))
     max_len: int = key(30, above=0)  # target tokens
     min_len: int = key(8, low=0)  # tokens; headlines near the references' length: docs/results.md
