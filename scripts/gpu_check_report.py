@@ -151,6 +151,8 @@ def profile_rows(out: Path) -> tuple[list[tuple], list[str]]:
         if "device_syncs_per_step" in r:
             rows.append((PARTS[6], f"{label}: waits for the GPU a step (sync debug mode)", r["device_syncs_per_step"],
                          None))
+        if "launches_per_step" in r:
+            rows.append((PARTS[6], f"{label}: kernel launches a step", r["launches_per_step"], None))
         if "device_share" in r:
             rows.append((PARTS[6], f"{label}: share of the time the GPU is busy", r["device_share"], None))
         notes.append(f"{PARTS[6]}, decode: most time: " + ", ".join(

@@ -183,12 +183,13 @@ def test_the_decode_profile_rows_include_the_gpus_waits(tmp_path):
     decode.mkdir(parents=True)
     (decode / "bench.json").write_text(json.dumps([{
         "practice": "decode_profile", "beam": 4, "sentences": 2000, "wall_s": 0.5, "host_reads_per_step": 3.0,
-        "device_syncs_per_step": 4.0, "device_share": 0.6}]))
+        "device_syncs_per_step": 4.0, "launches_per_step": 400.0, "device_share": 0.6}]))
     rows, _ = report.profile_rows(tmp_path)
     assert [(r[1], r[2]) for r in rows] == [
         ("decode beam 4, 2000 sentences: seconds", 0.5),
         ("decode beam 4, 2000 sentences: values read back to the host a step", 3.0),
         ("decode beam 4, 2000 sentences: waits for the GPU a step (sync debug mode)", 4.0),
+        ("decode beam 4, 2000 sentences: kernel launches a step", 400.0),
         ("decode beam 4, 2000 sentences: share of the time the GPU is busy", 0.6)]
 
 

@@ -173,6 +173,8 @@ def summarize_row(cfg: Config, cuda: bool = False) -> dict:
 # Operators that read a tensor's value back to the host (.item(), bool(), nonzero's output size): on a GPU each
 # waits for every kernel queued before it.
 HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero")
+# The CUDA runtime calls that queue work on the GPU: a decoding step bound by the host costs about its launches.
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
 def profile_row(cfg: Config, beam: int = 4, top: int = 12) -> dict:
@@ -180,7 +182,8 @@ def profile_row(cfg: Config, beam: int = 4, top: int = 12) -> dict:
     the wall time, the share inside torch operators (their self times summed) and the rest (Python: the
     search's bookkeeping, the word rules), the operators that take most, each with its calls, and the values
     read back to the host per search step (a step: a `topk` or, greedy, an `argmax`). On a GPU also the time the
-    device was busy and the operators that kept it busy most; the whole table goes to decode_profile.txt."""
+    device was busy, the operators that kept it busy most, and the kernel launches (graph replays counted once)
+    per step; the whole table goes to decode_profile.txt."""
     from torch.profiler import ProfilerActivity, profile
     rt = runtime.setup(cfg.system, cfg.placement, decoding_precision(cfg))
     sources, _ = _sources(cfg)
@@ -210,6 +213,7 @@ def profile_row(cfg: Config, beam: int = 4, top: int = 12) -> dict:
         row["device_share"] = row["device_s"] / wall
         row["top_device_ops"] = [{"op": e.key, "calls": e.count, "self_s": e.self_device_time_total / 1e6}
                                  for e in device[:top]]
+        row["launches_per_step"] = sum(calls.get(name, 0) for name in LAUNCHES) / max(steps, 1)
         row["device_syncs_per_step"] = device_syncs(lambda: decode_all(model, sources, settings, rt, lexicon=lex),
                                                     rt.decoder_device) / max(steps, 1)
     atomic_write(cfg.run_dir / "decode_profile.txt", averages.table(sort_by=sort, row_limit=40))

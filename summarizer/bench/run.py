@@ -218,7 +218,8 @@ def markdown(results: list[dict]) -> str:
             ops = ", ".join(f"{o['op']} {o['share']:.0%} ({o['calls']} calls)" for o in r["top_ops"][:6])
             device = ""
             if "device_s" in r:
-                device = "; the GPU busy {:.0%}, most: {}".format(r["device_share"], ", ".join(
+                device = "; {:.0f} kernel launches a step; the GPU busy {:.0%}, most: {}".format(
+                    r.get("launches_per_step", 0), r["device_share"], ", ".join(
                     f"{o['op']} {o['self_s']:.2f} s ({o['calls']} calls)" for o in r["top_device_ops"][:6]))
             lines.append(f"| decode_profile | beam-{r['beam']} default eval of {r['sentences']} sentences, one thread, "
                          f"torch.profiler: {r['ops_share']:.0%} of {r['wall_s']:.2f} s inside torch operators, the "
