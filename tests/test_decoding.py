@@ -7,7 +7,7 @@ from torch.profiler import profile
 
 from summarizer.bench import decoding_v1
 from summarizer.config.schema import EvalConfig, ModelConfig, PlacementConfig, SystemConfig
-from summarizer.data.prepared import open_tokenizer, training_words
+from summarizer.data.prepared import open_tokenizer, read_pairs, training_words
 from summarizer.data.tokenizer import EOS, PAD, UNK
 from summarizer.decode.lexicon import Lexicon
 from summarizer.decode.quantize import decoding_form
@@ -202,6 +202,32 @@ def test_a_rows_word_hash_is_the_hash_of_its_repeat_key(tiny_prepared):
         rules.advance(list(range(len(encoded))), [ids[k] if k < len(ids) else PAD for ids in encoded])
     for row, ids in enumerate(encoded):
         assert (int(rules.h1[row]), int(rules.h2[row])) == text_hash(lex.repeat_key(ids)), tokenizer.decode(ids)
+
+
+def test_source_words_are_the_same_with_their_keys_kept_and_the_store_stays_bounded(tiny_prepared, monkeypatch):
+    """Lexicon.word_key keeps each source word's repeat key; what source_words returns is what it computes from
+    scratch, first seen or kept, and the store is emptied when it reaches WORD_KEYS."""
+    from summarizer.decode import lexicon as lexicon_module
+    tokenizer = open_tokenizer(tiny_prepared)
+    lex = Lexicon(tokenizer, training_words(tiny_prepared))
+    sources = tokenizer.encode_batch([p["source"] for p in read_pairs(tiny_prepared, "test")][:30])
+
+    def from_scratch(ids):
+        words, word = [], []
+        for i in [*ids, None]:
+            if (i is None or lex.starts_word[i]) and word:
+                if all(lex.text[p] for p in word[1:]):
+                    words.append((word, lex.repeat_key(word)))
+                word = []
+            if i is not None and (lex.text[i] or lex.starts_word[i]):
+                word.append(i)
+        return words
+
+    monkeypatch.setattr(lexicon_module, "WORD_KEYS", 16)
+    for _ in range(2):  # first seen, then (as far as the bound allows) kept
+        for ids in sources:
+            assert lex.source_words(ids) == from_scratch(ids)
+            assert len(lex._word_keys) <= 16
 
 
 def test_word_rules_agree_between_greedy_and_beam_one(lexicon_and_model):

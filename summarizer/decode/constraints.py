@@ -20,6 +20,8 @@ finished word uses up every known word of its key.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -54,9 +56,15 @@ class WordRules:
         pieces = np.full((len(sources), most, longest), -1, dtype=np.int64)
         lengths = np.zeros((len(sources), most), dtype=np.int64)
         hashes = np.full((len(sources), most), -1, dtype=np.int64)
-        for b, ws in enumerate(words):
-            for w, (ids, text) in enumerate(ws):
-                pieces[b, w, :len(ids)], lengths[b, w], hashes[b, w] = ids, len(ids), combined(*text_hash(text))
+        # filled by index arrays, not element by element: a batch holds tens of thousands of source words
+        at = np.array([(b, w) for b, ws in enumerate(words) for w in range(len(ws))], dtype=np.int64).reshape(-1, 2)
+        ids = [p for ws in words for p, _ in ws]
+        n = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        lengths[at[:, 0], at[:, 1]] = n
+        hashes[at[:, 0], at[:, 1]] = [combined(*text_hash(text)) for ws in words for _, text in ws]
+        word = np.repeat(np.arange(len(ids)), n)  # each piece's word, and its place in that word
+        pieces[at[word, 0], at[word, 1], np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)] = \
+            np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(n.sum()))
         dev = lex.starts.device
         # (B, W, L) each sentence's words' pieces (-1 after a word's end), (B, W) their lengths and text hashes
         self.src_pieces, self.src_len, self.src_hash = (torch.from_numpy(a).to(dev) for a in (pieces, lengths, hashes))

@@ -19,6 +19,8 @@ WORD_START = "\u2581"  # SentencePiece's word-start marker
 UNKNOWN_TEXT = "\u2047"  # an UNK piece's text in a word (how SentencePiece writes it)
 HASH_BASE, HASH_P1, HASH_P2 = 1_000_003, 2_147_483_647, 2_147_483_629  # two primes below 2**31
 FEW_CHILDREN = 32  # tree nodes with at most this many children: see Lexicon.wide_children
+WORD_KEYS = 1 << 18  # source words whose repeat keys are kept (~50 MB at most)
+_UNSEEN = object()
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -55,6 +57,7 @@ class Lexicon:
         # copied whole (the UNK written back as the source's own character: evaluate.summary_text), never
         # spelled without it, and no known word holds one.
         self.text[UNK] = UNKNOWN_TEXT
+        self._word_keys: dict[tuple[int, ...], str | None] = {}  # source_words' words, by their pieces
         # (V,) pieces inside a word that write only punctuation: closing a word, left out of its repeat key
         self.punct_inside = [bool(t) and i != UNK and not self.starts_word[i] and not any(c.isalnum() or c == "#"
                                                                                          for c in t)
@@ -179,12 +182,23 @@ class Lexicon:
         words, word = [], []
         for i in [*src_ids, None]:
             if (i is None or self.starts_word[i]) and word:
-                if all(self.text[p] for p in word[1:]):
-                    words.append((word, self.repeat_key(word)))
+                if (key := self.word_key(tuple(word))) is not None:
+                    words.append((word, key))
                 word = []
             if i is not None and (self.text[i] or self.starts_word[i]):
                 word.append(i)
         return words
+
+    def word_key(self, word: tuple[int, ...]) -> str | None:
+        """The repeat key of a source word of these pieces, or None if a piece after its first writes nothing;
+        kept, since a batch's sources repeat their words (a decoding batch's set-up is host time a GPU waits on),
+        up to WORD_KEYS of them (`summarize` may read any number of distinct words)."""
+        key = self._word_keys.get(word, _UNSEEN)  # read once: decoding threads share the dict
+        if key is _UNSEEN:
+            if len(self._word_keys) >= WORD_KEYS:
+                self._word_keys.clear()
+            key = self._word_keys[word] = self.repeat_key(list(word)) if all(self.text[p] for p in word[1:]) else None
+        return key
 
 
 def source_only(word: str) -> bool:
