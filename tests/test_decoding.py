@@ -230,6 +230,25 @@ def test_source_words_are_the_same_with_their_keys_kept_and_the_store_stays_boun
             assert len(lex._word_keys) <= 16
 
 
+def test_decoding_pauses_the_cycle_collector_and_restores_it(model, sources, monkeypatch):
+    import gc
+
+    from summarizer.decode import search
+    seen = []
+    original = search.decode_batch
+    monkeypatch.setattr(search, "decode_batch", lambda *a, **k: (seen.append(gc.isenabled()), original(*a, **k))[1])
+    rt = Runtime(torch.device("cpu"), torch.device("cpu"), "fp32")
+    src = [row[row != PAD].tolist() for row in sources]
+    assert gc.isenabled()
+    expected = search.decode_all(model, src, settings(beam_size=2), rt)
+    assert seen and not any(seen) and gc.isenabled()
+    gc.disable()
+    try:  # a caller that paused it already keeps it paused
+        assert search.decode_all(model, src, settings(beam_size=2), rt) == expected and not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_word_rules_agree_between_greedy_and_beam_one(lexicon_and_model):
     _, _, lex, m, src, _ = lexicon_and_model
     s = settings(max_len=20, known_words=True, no_repeat_words=True)

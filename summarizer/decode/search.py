@@ -8,6 +8,7 @@ cache) as soon as it is finished, and beams are reordered by one gather of the s
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -147,6 +148,21 @@ def decode_batch_tokens(settings: EvalConfig, rt: runtime.Runtime) -> int:
     return 131_072 if "cuda" in (rt.device.type, rt.decoder_device.type) else 16_384
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cycle collector off while decoding. A decode makes hundreds of thousands of short-lived objects
+    (the word rules' set-up, every step's tensors), and each full collection walks every object the process holds
+    (the lexicon, the model): 1.04x beam 4 and 1.09x greedy on a CPU, more where the host bounds a GPU's decode.
+    Reference counting frees what a decode leaves; any cycles are collected once it ends."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt: runtime.Runtime,
                desc: str = "", lexicon: Lexicon | None = None, use_cache: bool = True) -> list[list[int]]:
     """Source id sequences -> hypothesis id lists, in input order, decoded as `settings` (the eval section) says.
@@ -177,8 +193,8 @@ def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt
 
     threads, intra_op = min(decode_threads(settings, rt), len(batches)), torch.get_num_threads()
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
-    with runtime.eval_mode(model), tqdm(total=len(batches), desc=desc, unit="batch", file=sys.stderr,
-                                        disable=None if desc else True) as progress:
+    bar = tqdm(total=len(batches), desc=desc, unit="batch", file=sys.stderr, disable=None if desc else True)
+    with runtime.eval_mode(model), collector_paused(), bar as progress:
         try:
             if pool is not None:
                 torch.set_num_threads(1)
