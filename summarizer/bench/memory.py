@@ -80,9 +80,8 @@ def _measure(cfg_dict: dict, variant: str, steps: int, batch_tokens: int) -> dic
             kept = [out, loss]  # last step's outputs stay referenced while the next step allocates
         else:
             del out, loss
-    for device in rt.devices:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    for device in rt.cuda_devices:
+        torch.cuda.synchronize(device)
     return {"peak_mb": max(peak_memory_mb(d) - base[d] for d in rt.devices)}
 
 

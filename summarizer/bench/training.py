@@ -91,9 +91,8 @@ class TrainingProbe:
             tokens += sum(b["n_src"] + b["n_tgt"] for b in micro)
             if self.item_every_step:  # what logging every step costs: host syncs for each value
                 out["nll_sum"].item(), out["grad_norm"].item()
-        for device in rt.devices:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        for device in rt.cuda_devices:
+            torch.cuda.synchronize(device)
         return tokens / (time.perf_counter() - started)
 
 

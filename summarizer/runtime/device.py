@@ -41,6 +41,11 @@ class Runtime:
         """Every device the model occupies (two when it is split)."""
         return list(dict.fromkeys([self.device, self.decoder_device]))
 
+    @property
+    def cuda_devices(self) -> list[torch.device]:
+        """The GPUs among `devices` (whose random streams a run keeps, and whose work a timer waits for)."""
+        return [d for d in self.devices if d.type == "cuda"]
+
     sdpa_backend: str = "auto"
 
     @property

@@ -63,7 +63,7 @@ def measure(model: nn.Module, batches: list[dict], precisions: tuple[str, ...], 
     after) and every random stream are left as they were."""
     batches = [move_batch(batch, rt.device) for batch in batches]
     seconds = dict.fromkeys(precisions, 0.0)
-    cuda = [d for d in rt.devices if d.type == "cuda"]
+    cuda = rt.cuda_devices
 
     def run(precision: str, chosen: list[dict]) -> float:
         setting = dataclasses.replace(rt, precision=precision)

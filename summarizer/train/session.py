@@ -105,15 +105,11 @@ def initial_weights(cfg: Config, meta: dict) -> dict | None:
     return have
 
 
-def cuda_devices(rt: Runtime) -> list[torch.device]:
-    return [d for d in rt.devices if d.type == "cuda"]
-
-
 def rng_states(rt: Runtime, gather: bool = True) -> dict:
     """The random streams a checkpoint keeps: "rng", rank 0's, and under DDP "rng_by_rank", every rank's (each
     rank's GPU draws dropout masks for its own batches, so the ranks' CUDA streams differ). Gathering is a
     collective: every rank calls this with `gather`, or none does (this rank's streams alone, then)."""
-    mine = checkpoint.rng_state(cuda_devices(rt))
+    mine = checkpoint.rng_state(rt.cuda_devices)
     if not (gather and rt.distributed):
         return {"rng": mine}
     every = runtime.all_gather_object(mine, rt)
@@ -124,7 +120,7 @@ def restore_rng(state: dict, rt: Runtime) -> None:
     """This rank's streams from a checkpoint: its own where the checkpoint holds every rank's (same world size),
     else rank 0's."""
     by_rank = state.get("rng_by_rank") or []
-    checkpoint.set_rng_state(by_rank[rt.rank] if len(by_rank) == rt.world_size else state["rng"], cuda_devices(rt))
+    checkpoint.set_rng_state(by_rank[rt.rank] if len(by_rank) == rt.world_size else state["rng"], rt.cuda_devices)
 
 
 def snapshot(cfg: Config, meta: dict, model, optimizer, scaler, ema, progress: dict, rng: dict) -> dict:

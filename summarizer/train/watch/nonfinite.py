@@ -44,7 +44,7 @@ def first_nonfinite(model: nn.Module, micro_batches: list[dict], rt: Runtime, cf
 
     handles = [m.register_forward_hook(forward_hook) for m in names]
     try:
-        with torch.random.fork_rng(devices=[d for d in rt.devices if d.type == "cuda"]):
+        with torch.random.fork_rng(devices=rt.cuda_devices):
             for batch in micro_batches:
                 with rt.compute():
                     out = model(batch["src_ids"], batch["tgt_in"])
