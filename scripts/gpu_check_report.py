@@ -60,10 +60,9 @@ def chosen(run_dir: Path) -> tuple[str, str | None]:
         manifest = json.loads((run_dir / "manifest.json").read_text())
     except (OSError, ValueError):
         return "?", None
+    from summarizer.train.precision import timings
     probe = manifest.get("precision_probe")
-    times = ", ".join(f"{p} {'out of memory' if ms is None else f'{ms} ms'}" for p, ms in probe["ms"].items()) \
-        if probe else None
-    return manifest.get("precision", "?"), times
+    return manifest.get("precision", "?"), timings(probe) if probe else None
 
 
 def train_rows(out: Path) -> tuple[list[tuple], list[str]]:

@@ -114,7 +114,11 @@ def choose(model: nn.Module, dataset: PairDataset, sampler: TokenBatchSampler, p
             "ms": {p: round(1000 * s, 1) if s != float("inf") else None for p, s in seconds.items()}}
 
 
+def timings(probe: dict) -> str:
+    """A probe's times, as its log line and the GPU check's table give them: "fp32 118.8 ms, bf16 283.4 ms"."""
+    return ", ".join(f"{p} {'out of memory' if ms is None else f'{ms} ms'}" for p, ms in probe["ms"].items())
+
+
 def describe(probe: dict) -> str:
-    times = ", ".join(f"{p} {'out of memory' if ms is None else f'{ms:.0f} ms'}" for p, ms in probe["ms"].items())
     return (f"train.precision=auto: {probe['precision']} on {probe['device']} (forward and backward of {BATCHES} "
-            f"first-epoch batches, twice: {times}); set train.precision to choose")
+            f"first-epoch batches, twice: {timings(probe)}); set train.precision to choose")
