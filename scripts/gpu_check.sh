@@ -107,8 +107,10 @@ fi
 # 5. gigaword.yaml's model (60M parameters, 16k-token batches, 32k vocabulary) on synthetic pairs: bf16, fp32, and
 # bf16 compiled (torch.compile: twice the minutes, its compilation inside them; the report's figures are the last
 # third of each run's steps).
+SYN=${GPU_CHECK_GW_DATA:-$OUT/synthetic/data}
+GW=("$PY" -m summarizer train --config configs/gigaword.yaml "data.dir=$SYN" "run.tensorboard_dir=$OUT/tb"
+    train.sample_summaries=0)  # no text samples: synthetic pairs have no words to read
 if [ "$DEV" = cuda ]; then
-  SYN=${GPU_CHECK_GW_DATA:-$OUT/synthetic/data}
   { [ -n "${GPU_CHECK_GW_DATA:-}" ] ||
     { step 5 "synthetic pairs" 60 "$PY" scripts/gpu_check_report.py synth "$DATA" "$OUT/synthetic/pairs" \
         --pairs "${GPU_CHECK_GW_PAIRS:-100000}" &&
@@ -116,8 +118,7 @@ if [ "$DEV" = cuda ]; then
         "data.source=$OUT/synthetic/pairs" "data.dir=$SYN"; }; } &&
     for v in bf16 fp32 bf16_compile; do
       minutes=$("$PY" -c "print(${GPU_CHECK_GW_MINUTES:-0.75} * $([ "$v" = bf16_compile ] && echo 2 || echo 1))")
-      step 5 "gigaword $v" 200 "$PY" -m summarizer train --config configs/gigaword.yaml "data.dir=$SYN" \
-        "run.tensorboard_dir=$OUT/tb" "run.name=gc_gigaword_$v" "run.dir=$OUT/gigaword/$v" "train.precision=${v%%_*}" \
+      step 5 "gigaword $v" 200 "${GW[@]}" "run.name=gc_gigaword_$v" "run.dir=$OUT/gigaword/$v" "train.precision=${v%%_*}" \
         "train.compile=$([ "$v" = bf16_compile ] && echo true || echo false)" "train.max_minutes=$minutes" \
         $(schedule 100000 50)
     done
@@ -143,11 +144,23 @@ for p in fp32 bf16; do
     "train.precision=$p" "train.profile_steps=$PROFILE_STEPS" $(schedule $((PROFILE_STEPS + 4)) 2)
 done
 if [ -f "$OUT/train/fp32/best.pt" ]; then
-  step 6 "profile decode" 90 "$PY" -m summarizer bench "${COMMON[@]}" run.name=gc_decode_profile \
-    "run.dir=$OUT/profile/decode" "bench.rows=[decode_profile]" "bench.checkpoint=$OUT/train/fp32/best.pt" \
-    "bench.decode_sentences=$([ "$DEV" = cuda ] && echo 2000 || echo 40)" bench.find_batch_tokens=false
+  for e in decode:4 decode_greedy:1; do
+    step 6 "profile ${e%%:*}" 90 "$PY" -m summarizer bench "${COMMON[@]}" "run.name=gc_${e%%:*}_profile" \
+      "run.dir=$OUT/profile/${e%%:*}" "bench.rows=[decode_profile]" "bench.checkpoint=$OUT/train/fp32/best.pt" \
+      "bench.decode_sentences=$([ "$DEV" = cuda ] && echo 2000 || echo 40)" bench.find_batch_tokens=false \
+      "eval.beam_size=${e##*:}"
+  done
 else
   skip 6 "profile decode" "no checkpoint: part 1's fp32 run did not finish (failed, or not run)"
+fi
+# gigaword.yaml's model in bf16 past the first epoch's new shapes: 10 steps profiled after resuming at step 300
+if [ "$DEV" = cuda ] && [ -f "$SYN/meta.json" ]; then
+  step 6 "profile gigaword bf16 (300 steps first)" 90 "${GW[@]}" run.name=gc_profile_gigaword \
+    "run.dir=$OUT/profile/gigaword_bf16" train.precision=bf16 $(schedule 300 50) &&
+    step 6 "profile gigaword bf16" 60 "${GW[@]}" run.name=gc_profile_gigaword "run.dir=$OUT/profile/gigaword_bf16" \
+      train.precision=bf16 train.profile_steps=10 $(schedule 312 2)
+else
+  skip 6 "profile gigaword bf16" "GPU only, with part 5's synthetic pairs"
 fi
 
 # 4. Encoder and decoder on two devices, a few steps each; DDP over NCCL on two GPUs.

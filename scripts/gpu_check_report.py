@@ -137,28 +137,40 @@ def top_operators(table: Path, n: int = 5) -> list[str]:
     return [name for name in names if name and not name.startswith("ProfilerStep")][:n]
 
 
+TRAIN_PROFILES = (("train_fp32", "train fp32, first steps"), ("train_bf16", "train bf16, first steps"),
+                  ("gigaword_bf16", "gigaword.yaml bf16, steps after its first epoch's shapes"))
+STEP_FIGURES = (("wall_ms", "ms a step"), ("device_ms", "ms the GPU is busy a step"),
+                ("launches", "kernel launches a step"), ("host_reads", "values read back to the host a step"))
+
+
 def profile_rows(out: Path) -> tuple[list[tuple], list[str]]:
-    """Part 6: the decode profile's figures as rows; each profile's top operators as notes."""
+    """Part 6: the decode profiles' figures (beam 4, greedy) and each training profile's cost a step
+    (profile.json) as rows; each profile's top operators as notes."""
     rows, notes = [], []
-    bench = out / "profile" / "decode" / "bench.json"
-    for r in json.loads(bench.read_text()) if bench.is_file() else []:
-        if r.get("practice") != "decode_profile" or "wall_s" not in r:
-            continue
-        label = f"decode beam {r['beam']}, {r['sentences']} sentences"
-        rows.append((PARTS[6], f"{label}: seconds", r["wall_s"], None))
-        rows.append((PARTS[6], f"{label}: values read back to the host a step", r["host_reads_per_step"], None))
-        if "device_syncs_per_step" in r:
-            rows.append((PARTS[6], f"{label}: waits for the GPU a step (sync debug mode)", r["device_syncs_per_step"],
-                         None))
-        if "launches_per_step" in r:
-            rows.append((PARTS[6], f"{label}: kernel launches a step", r["launches_per_step"], None))
-        if "device_share" in r:
-            rows.append((PARTS[6], f"{label}: share of the time the GPU is busy", r["device_share"], None))
-        notes.append(f"{PARTS[6]}, decode: most time: " + ", ".join(
-            top_operators(out / "profile" / "decode" / "decode_profile.txt")))
-    for p in ("fp32", "bf16"):
-        if ops := top_operators(out / "profile" / f"train_{p}" / "profile.txt"):
-            notes.append(f"{PARTS[6]}, train {p}, first steps: most time: {', '.join(ops)}")
+    for decode in ("decode", "decode_greedy"):
+        bench = out / "profile" / decode / "bench.json"
+        for r in json.loads(bench.read_text()) if bench.is_file() else []:
+            if r.get("practice") != "decode_profile" or "wall_s" not in r:
+                continue
+            search = "greedy" if r["beam"] == 1 else f"beam {r['beam']}"
+            label = f"decode {search}, {r['sentences']} sentences"
+            rows.append((PARTS[6], f"{label}: seconds", r["wall_s"], None))
+            rows.append((PARTS[6], f"{label}: values read back to the host a step", r["host_reads_per_step"], None))
+            if "device_syncs_per_step" in r:
+                rows.append((PARTS[6], f"{label}: waits for the GPU a step (sync debug mode)",
+                             r["device_syncs_per_step"], None))
+            if "launches_per_step" in r:
+                rows.append((PARTS[6], f"{label}: kernel launches a step", r["launches_per_step"], None))
+            if "device_share" in r:
+                rows.append((PARTS[6], f"{label}: share of the time the GPU is busy", r["device_share"], None))
+            notes.append(f"{PARTS[6]}, {label}: most time: " + ", ".join(
+                top_operators(out / "profile" / decode / "decode_profile.txt")))
+    for name, label in TRAIN_PROFILES:
+        summary = out / "profile" / name / "profile.json"
+        figures = json.loads(summary.read_text()) if summary.is_file() else {}
+        rows += [(PARTS[6], f"{label}: {what}", figures[key], None) for key, what in STEP_FIGURES if key in figures]
+        if ops := top_operators(out / "profile" / name / "profile.txt"):
+            notes.append(f"{PARTS[6]}, {label}: most time: {', '.join(ops)}")
     return rows, notes
 
 

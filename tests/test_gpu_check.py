@@ -152,7 +152,10 @@ def test_cpu_mode_runs_every_part_and_prints_a_number_per_row(tmp_path):
     assert "5 gigaword.yaml, gigaword.yaml: skipped" in table
     assert "cuda:0 + cuda:1, DDP: skipped: needs two GPUs" in table
     assert re.search(r"6 profile, train (fp32|bf16), first steps: most time: aten::", table), table
-    assert "6 profile, decode: most time: aten::" in table or "6 profile, decode: most time: quantized::" in table
+    assert {"train fp32, first steps: ms a step", "train fp32, first steps: values read back to the host a step"} \
+        <= {r[1] for r in rows if r[0] == "6 profile"}, rows
+    assert re.search(r"6 profile, decode beam 4, \d+ sentences: most time: (aten|quantized)::", table), table
+    assert re.search(r"6 profile, decode greedy, \d+ sentences: most time: (aten|quantized)::", table), table
     equal = {re.search(r"\((\w+)\): share", r[1]).group(1): float(r[2]) for r in rows
              if r[0] == "3 eval" and "equal to the dynamic" in r[1]}
     assert equal["beam4_auto_auto"] == equal["greedy_auto_auto"] == 1  # the default's are the dynamic fp32 search's
@@ -172,8 +175,9 @@ def test_only_the_parts_asked_for_run(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     table = (tmp_path / "out" / "gpu_check.md").read_text()
-    assert {r[0] for r in table_rows(table)} == {"4 placement"}
+    assert {r[0] for r in table_rows(table)} == {"4 placement", "6 profile"}  # part 6: the training profiles' steps
     assert "1 train, train fp32: skipped: not among GPU_CHECK_PARTS (4 6)" in table
+    assert "6 profile, profile gigaword bf16: skipped: GPU only" in table
     assert "6 profile, profile decode: skipped: no checkpoint: part 1's fp32 run did not finish" in table
     assert re.search(r"6 profile, train fp32, first steps: most time: aten::", table), table
 

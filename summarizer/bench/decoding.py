@@ -27,6 +27,7 @@ from summarizer.decode.search import decode_all
 from summarizer.evaluation.scoring import rouge_report
 from summarizer.model import checkpoint
 from summarizer.outputs import atomic_write
+from summarizer.runtime.profiling import per_step
 from summarizer.train.session import build
 
 
@@ -170,26 +171,20 @@ def summarize_row(cfg: Config, cuda: bool = False) -> dict:
     return result
 
 
-# Operators that read a tensor's value back to the host (.item(), bool(), nonzero's output size): on a GPU each
-# waits for every kernel queued before it.
-HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero")
-# The CUDA runtime calls that queue work on the GPU: a decoding step bound by the host costs about its launches.
-LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
-
-
-def profile_row(cfg: Config, beam: int = 4, top: int = 12) -> dict:
+def profile_row(cfg: Config, top: int = 12) -> dict:
     """Where a default-eval decode of the bench sources spends its time, by torch.profiler on one thread:
     the wall time, the share inside torch operators (their self times summed) and the rest (Python: the
     search's bookkeeping, the word rules), the operators that take most, each with its calls, and the values
-    read back to the host per search step (a step: a `topk` or, greedy, an `argmax`). On a GPU also the time the
-    device was busy, the operators that kept it busy most, and the kernel launches (graph replays counted once)
-    per step; the whole table goes to decode_profile.txt."""
+    read back to the host per search step (a step: a `topk`, or greedy's `max`), at eval.beam_size. On a GPU also
+    the time the device was busy, the operators that kept it busy most, and the kernel launches (graph replays
+    counted once) per step; the whole table goes to decode_profile.txt."""
     from torch.profiler import ProfilerActivity, profile
     rt = runtime.setup(cfg.system, cfg.placement, decoding_precision(cfg))
     sources, _ = _sources(cfg)
     lex = lexicon(cfg.data.dir)
     model = _model(cfg, rt, resolve_quantize(cfg.eval.quantize, rt))
-    settings = dataclasses.replace(cfg.eval, beam_size=beam, threads=1)
+    beam = cfg.eval.beam_size
+    settings = dataclasses.replace(cfg.eval, threads=1)
     decode_all(model, sources[:64], settings, rt, lexicon=lex)  # warm-up: first-call kernel selection
     cuda = "cuda" in (rt.device.type, rt.decoder_device.type)
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
@@ -198,22 +193,21 @@ def profile_row(cfg: Config, beam: int = 4, top: int = 12) -> dict:
         wall = time.perf_counter() - started
     averages = prof.key_averages()
     events = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)
-    in_ops = sum(e.self_cpu_time_total for e in events) / 1e6
-    calls = {e.key: e.count for e in events}
-    steps = calls.get("aten::topk" if beam > 1 else "aten::argmax", 0)
-    row = {"beam": beam, "sentences": len(sources), "wall_s": wall, "ops_s": in_ops, "ops_share": in_ops / wall,
-           "host_reads_per_step": sum(calls.get(op, 0) for op in HOST_READS) / max(steps, 1), "top_ops": [
+    steps = {e.key: e.count for e in events}.get("aten::topk" if beam > 1 else "aten::max", 0)
+    summary = per_step(averages, steps, wall)
+    row = {"beam": beam, "sentences": len(sources), "wall_s": wall, "steps": steps,
+           "ops_s": summary["ops_ms"] * steps / 1e3, "ops_share": summary["ops_ms"] * steps / 1e3 / wall,
+           "host_reads_per_step": summary["host_reads"], "top_ops": [
                {"op": e.key, "calls": e.count, "self_s": e.self_cpu_time_total / 1e6,
                 "share": e.self_cpu_time_total / 1e6 / wall} for e in events[:top]]}
     sort = "self_cpu_time_total"
     if cuda:
         sort = "self_device_time_total"
         device = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)
-        row["device_s"] = sum(e.self_device_time_total for e in device) / 1e6
-        row["device_share"] = row["device_s"] / wall
+        row["device_s"], row["device_share"] = summary["device_ms"] * steps / 1e3, summary["device_share"]
         row["top_device_ops"] = [{"op": e.key, "calls": e.count, "self_s": e.self_device_time_total / 1e6}
                                  for e in device[:top]]
-        row["launches_per_step"] = sum(calls.get(name, 0) for name in LAUNCHES) / max(steps, 1)
+        row["launches_per_step"] = summary["launches"]
         row["device_syncs_per_step"] = device_syncs(lambda: decode_all(model, sources, settings, rt, lexicon=lex),
                                                     rt.decoder_device) / max(steps, 1)
     atomic_write(cfg.run_dir / "decode_profile.txt", averages.table(sort_by=sort, row_limit=40))

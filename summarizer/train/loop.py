@@ -180,7 +180,7 @@ def step_once(session: Session, fetched: list, data_s: float, loop: Loop) -> dic
             f"train.warmup_steps, keep train.clip_norm > 0, or use train.precision=fp32 to rule out overflow")
     session.monitor.advance()
     if loop.profiler:
-        loop.profiler.step(progress["step"])
+        loop.profiler.step()
     return out
 
 

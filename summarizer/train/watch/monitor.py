@@ -16,6 +16,7 @@ from tqdm import tqdm
 from summarizer.config.load import to_dict
 from summarizer.config.schema import Config
 from summarizer.outputs import atomic_write
+from summarizer.runtime.profiling import per_step
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -267,27 +268,39 @@ class Window:
 
 
 class Profiler:
-    """torch.profiler over `steps` steps (after 1 wait + 1 warm-up step): a trace TensorBoard and
-    Perfetto open, plus an operator table in <run_dir>/profile.txt."""
+    """torch.profiler over `steps` steps (after 1 wait + 1 warm-up step): a trace TensorBoard and Perfetto open, an
+    operator table in <run_dir>/profile.txt, and in <run_dir>/profile.json what a step costs (runtime/profiling.py:
+    wall and operator time, kernel launches, values read back, the GPU's busy time)."""
 
     def __init__(self, steps: int, trace_dir: Path, table_path: Path, cuda: bool):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.last_step, self.table_path = steps + 2, table_path
+        self.steps, self.seen, self.table_path, self.cuda = steps, 0, table_path, cuda
         self.prof = torch.profiler.profile(
             activities=activities, record_shapes=True, profile_memory=True,
             schedule=torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir)))
         self.prof.start()
+        self.active_from = 0.0
         self.done = False
 
-    def step(self, step: int) -> None:
+    def step(self) -> None:
+        """After each training step (counted from the run's start or resume)."""
         if self.done:
             return
+        self.seen += 1
+        edge = self.seen in (2, self.steps + 2)
+        if edge and self.cuda:  # the window starts and ends with the GPU idle (no wait inside: that is measured)
+            torch.cuda.synchronize()
+        if self.seen == 2:
+            self.active_from = time.perf_counter()
+        wall = time.perf_counter() - self.active_from
         self.prof.step()
-        if step >= self.last_step:
+        if self.seen == self.steps + 2:
             self.prof.stop()
-            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-            self.table_path.write_text(self.prof.key_averages().table(sort_by=sort, row_limit=40))
+            averages = self.prof.key_averages()
+            sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+            self.table_path.write_text(averages.table(sort_by=sort, row_limit=40))
+            atomic_write(self.table_path.with_suffix(".json"), json.dumps(per_step(averages, self.steps, wall)))
             self.done = True
