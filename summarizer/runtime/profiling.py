@@ -3,6 +3,8 @@ values it read back, and the time the GPU was busy. Shared by the training profi
 bench's decode profile."""
 from __future__ import annotations
 
+from torch.autograd import DeviceType
+
 # Operators that read a tensor's value back to the host (.item(), bool(), nonzero's output size): on a GPU each
 # waits for every kernel queued before it.
 HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero")
@@ -19,7 +21,8 @@ def per_step(averages, steps: int, wall_s: float) -> dict:
     ops_s = sum(e.self_cpu_time_total for e in averages) / 1e6
     out = {"steps": steps, "wall_ms": 1e3 * wall_s / steps, "ops_ms": 1e3 * ops_s / steps,
            "host_reads": sum(calls.get(op, 0) for op in HOST_READS) / steps}
-    device_s = sum(e.self_device_time_total for e in averages) / 1e6
+    # the kernels' own rows: an operator's self device time repeats its kernels' (as the profiler's table totals it)
+    device_s = sum(e.self_device_time_total for e in averages if e.device_type != DeviceType.CPU) / 1e6
     if device_s or any(name in calls for name in LAUNCHES):
         out.update(launches=sum(calls.get(name, 0) for name in LAUNCHES) / steps,
                    device_ms=1e3 * device_s / steps, device_share=device_s / wall_s if wall_s else 0.0)
