@@ -292,14 +292,40 @@ def test_batches_decoded_in_parallel_give_the_same_outputs_in_input_order(model)
 
 
 def test_decoding_batches_are_sized_for_the_device():
-    """eval.batch_tokens=0: 16,384 padded source tokens x beam where a CPU decodes, 131,072 where a GPU does (a
+    """eval.batch_tokens=0: 16,384 padded source tokens x beam where a CPU decodes, 524,288 where a GPU does (a
     step costs its kernel launches there, whatever its rows); a set value is used as it is, on either."""
     from summarizer.decode.search import decode_batch_tokens
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    for encoder, decoder, expected in ((cpu, cpu, 16_384), (cuda, cuda, 131_072), (cuda, cpu, 131_072)):
+    for encoder, decoder, expected in ((cpu, cpu, 16_384), (cuda, cuda, 524_288), (cuda, cpu, 524_288)):
         rt = Runtime(encoder, decoder, "fp32")
         assert decode_batch_tokens(EvalConfig(), rt) == expected
         assert decode_batch_tokens(EvalConfig(batch_tokens=500), rt) == 500
+
+
+def test_a_batch_out_of_gpu_memory_is_decoded_in_halves(model, monkeypatch, capsys):
+    """A batch the GPU has no memory for (here: any of more than 4 sentences) is split in halves until each fits;
+    the summaries are those of batches that fit, said once on stderr. A single sentence that does not fit fails."""
+    from summarizer import runtime
+    from summarizer.decode import search
+    torch.manual_seed(3)
+    sources = [torch.randint(4, 40, (int(n),)).tolist() for n in torch.randint(2, 12, (19,))]
+    rt = runtime.setup(SystemConfig(), PlacementConfig(), "fp32")
+    fitting = search.decode_all(model, sources, settings(beam_size=2, batch_tokens=8, threads=1), rt)
+    real, sizes = search.decode_batch, []
+
+    def small_gpu(model, src, *args):
+        sizes.append(src.shape[0])
+        if src.shape[0] > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, src, *args)
+    monkeypatch.setattr(search, "decode_batch", small_gpu)
+    big = settings(beam_size=2, batch_tokens=10_000, threads=1)  # every sentence in one batch
+    assert search.decode_all(model, sources, big, rt) == fitting
+    assert sizes[0] == 19 and max(s for s in sizes if s <= 4) <= 4 and sizes.count(19) == 1
+    assert capsys.readouterr().err.count("ran out of GPU memory") == 1
+    monkeypatch.setattr(search, "decode_batch", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("oom")))
+    with pytest.raises(torch.OutOfMemoryError):
+        search.decode_all(model, sources[:1], big, rt)
 
 
 def test_minimum_length_never_exceeds_the_source():

@@ -176,8 +176,9 @@ class EvalConfig:
     checkpoint: str = key("", bookkeeping=True)  # default: the run's best
     out_dir: str = key("", bookkeeping=True)  # default: the run dir
     beam_size: int = key(4, above=0)
-    # padded source tokens x beam_size per decoding batch (the decoder's rows); 0 = auto: 16,384 on a CPU, 131,072
-    # on a GPU, where a step's time is kernel launches and a batch of thousands of rows costs what one of hundreds does
+    # padded source tokens x beam_size per decoding batch (the decoder's rows); 0 = auto: 16,384 on a CPU, 524,288
+    # on a GPU, where a step's time is kernel launches and a batch of thousands of rows costs what one of hundreds
+    # does (a batch the GPU has no memory for is decoded in halves)
     batch_tokens: int = key(0, low=0)
     threads: int = key(0, low=0)  # batches decoded at once, one core each; 0 = one per core on CPU, 1 on GPU
     precision: str = key("auto", choices=PRECISIONS)  # decoding: auto = fp32 (int8 layers on a CPU, TF32 on a GPU)
