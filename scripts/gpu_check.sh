@@ -6,8 +6,9 @@
 # run in the order of what they decide (1, 3, 5, 2, 6, 4), and those the budget no longer reaches are listed as skipped.
 #   bash scripts/gpu_check.sh DATA_DIR         # DATA_DIR: prepared with configs/base.yaml
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_STEPS=20 bash scripts/gpu_check.sh DATA_DIR   # the same steps on a CPU, tiny
-# Every part does not fit 8 minutes on one GPU: parts 1, 3 and 5 take about 7. The rest in a second call:
-#   GPU_CHECK_PARTS="1 2 6" GPU_CHECK_PRECISIONS=fp32 OUT=gpu_check_out2 bash scripts/gpu_check.sh DATA_DIR
+# Every part does not fit 8 minutes on one GPU: on an H100 parts 1, 3 and 6 take 7.5. The rest in a second call
+# (part 5 takes about 5.5 minutes; part 2 gets what is left):
+#   GPU_CHECK_PARTS="5 2" GPU_CHECK_SECONDS=480 OUT=gpu_check_out2 bash scripts/gpu_check.sh DATA_DIR
 # Environment: PYTHON, OUT (default gpu_check_out, must not hold an earlier check), GPU_CHECK_STEPS (300),
 # GPU_CHECK_CONFIG (configs/base.yaml; configs/tiny.yaml on a CPU), GPU_CHECK_SECONDS (450: parts are
 # skipped once it is spent), GPU_CHECK_PARTS ("1 2 3 4 5 6": the parts to run; 3 and 6 decode part 1's fp32 run),
@@ -86,11 +87,11 @@ done
 
 # 3. The fp32 run's best.pt decoded on the test split at beam 4 and greedy: the dynamic fp32 search (the reference),
 # the default (auto; on a GPU the same settings, so the two show run-to-run noise), static shapes (a CUDA graph per
-# step), at beam 4 bf16, and batches 4x the default's (the whole split in one or two batches: a step's cost is its
-# launches, so fewer, fuller steps). The report compares each one's predictions and speed with the reference's.
+# step), at beam 4 bf16, and batches 4x the default's (the whole split in one batch: a step's cost is its launches,
+# so fewer, fuller steps). The report compares each one's predictions and speed with the reference's.
 LIMIT=$([ "$DEV" = cuda ] && echo 0 || echo 40)
 if [ -f "$OUT/train/fp32/best.pt" ]; then
-  BIG=$([ "$DEV" = cuda ] && echo 524288 || echo 65536)
+  BIG=$([ "$DEV" = cuda ] && echo 2097152 || echo 65536)
   for e in beam4:4:fp32:dynamic: beam4:4:auto:auto: beam4:4:fp32:static: beam4:4:bf16:dynamic: \
       "beam4:4:fp32:dynamic:$BIG" greedy:1:fp32:dynamic: greedy:1:auto:auto: greedy:1:fp32:static: \
       "greedy:1:fp32:dynamic:$BIG"; do
@@ -105,8 +106,8 @@ else
 fi
 
 # 5. gigaword.yaml's model (60M parameters, 16k-token batches, 32k vocabulary) on synthetic pairs: bf16, fp32, and
-# bf16 compiled (torch.compile: twice the minutes, its compilation inside them; the report's figures are the last
-# third of each run's steps).
+# bf16 compiled (torch.compile: four times the minutes, its compilation inside them: on an H100 the model compiled
+# for its first two batch shapes in about 70 s; the report's figures are the last third of each run's steps).
 SYN=${GPU_CHECK_GW_DATA:-$OUT/synthetic/data}
 GW=("$PY" -m summarizer train --config configs/gigaword.yaml "data.dir=$SYN" "run.tensorboard_dir=$OUT/tb"
     train.sample_summaries=0)  # no text samples: synthetic pairs have no words to read
@@ -117,7 +118,7 @@ if [ "$DEV" = cuda ]; then
       step 5 "prep 32k vocabulary" 150 "$PY" -m data_prep --config configs/gigaword.yaml \
         "data.source=$OUT/synthetic/pairs" "data.dir=$SYN"; }; } &&
     for v in bf16 fp32 bf16_compile; do
-      minutes=$("$PY" -c "print(${GPU_CHECK_GW_MINUTES:-0.75} * $([ "$v" = bf16_compile ] && echo 2 || echo 1))")
+      minutes=$("$PY" -c "print(${GPU_CHECK_GW_MINUTES:-0.75} * $([ "$v" = bf16_compile ] && echo 4 || echo 1))")
       step 5 "gigaword $v" 200 "${GW[@]}" "run.name=gc_gigaword_$v" "run.dir=$OUT/gigaword/$v" "train.precision=${v%%_*}" \
         "train.compile=$([ "$v" = bf16_compile ] && echo true || echo false)" "train.max_minutes=$minutes" \
         $(schedule 100000 50)
