@@ -285,6 +285,18 @@ def test_run_dir_records_config_manifest_and_tensorboard(tiny_data, tmp_path):
     assert (run / "profile.txt").read_text().strip() and list((run / "tb" / "tiny" / "profile").glob("*.json*"))
 
 
+def test_a_resumed_run_profiles_the_steps_after_its_resume(tiny_data, tmp_path):
+    """train.profile_steps counts from where the process starts: a run resumed at step 6 profiles steps 9-10 (after
+    one wait and one warm-up step), and profile.json says what each cost."""
+    run = tmp_path / "run"
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=6", "train.ckpt_every=6"))
+    assert not (run / "profile.json").exists()
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=12", "train.ckpt_every=6", "train.profile_steps=2"))
+    figures = json.loads((run / "profile.json").read_text())
+    assert figures["steps"] == 2 and figures["wall_ms"] > 0 and figures["host_reads"] >= 0
+    assert "aten::" in (run / "profile.txt").read_text()
+
+
 @pytest.mark.slow
 def test_overfit_check_memorises_the_fixture(tiny_data, tmp_path, capsys):
     from summarizer.overfit import overfit_check
