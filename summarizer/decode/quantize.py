@@ -39,9 +39,9 @@ def decoding_precision(cfg: Config) -> str:
     there int8 decodes the recipe 1.05-1.15x faster than bf16, with the same ROUGE (docs/results.md, "Decoding
     speed"). On a GPU `auto` decodes in fp32 (TF32 matmuls): a decoding step multiplies a few thousand rows at
     most and waits on kernel launches, not arithmetic. On an H100 beam-4 decoding ran 6x faster in fp32 than in
-    bf16 while cuDNN's attention built a plan per shape; on an H200 without that kernel, bf16 ran 1.06x fp32 (both
-    static shapes) and changed 22% of the predictions (docs/results.md, "On a GPU"); `scripts/gpu_check.sh`
-    measures both."""
+    bf16 while cuDNN's attention built a plan per shape; without that kernel bf16 ran 0.78x fp32 on an H100 (1.06x
+    on an H200, static shapes) and changed 21-22% of the predictions (docs/results.md, "On a GPU");
+    `scripts/gpu_check.sh` measures both."""
     e = cfg.eval
     if e.precision == "auto":
         device = runtime.resolve_device(cfg.placement.decoder_device or cfg.system.device)
