@@ -10,7 +10,7 @@ import torch
 from summarizer import runtime
 from summarizer.config.schema import EvalConfig, PlacementConfig, SystemConfig
 from summarizer.decode.search import beam_search, decode_all, greedy, static_shapes
-from summarizer.decode.static import DecoderStep, static_search
+from summarizer.decode.static import DecoderStep, Replayed, static_search
 from summarizer.model.attention import explicit_attention
 from summarizer.model.transformer import Seq2Seq
 from tests.decoding_models import padded, ragged_sources, settings, sharp_model, word_rules_model
@@ -101,21 +101,62 @@ def test_eval_with_static_shapes_writes_the_same_predictions(trained_run):
         assert len({len(p.split()) for p in predictions["static"]}) > 2
 
 
+def test_a_greedy_step_reads_nothing_back_and_updates_its_tensors_in_place(tiny_prepared):
+    """What a CUDA graph needs of `GreedyStep`, checked on the CPU: no value read back to the host inside a step
+    (every rule on), and the state it carries (cache, prefixes, the rules' tensors) in the same tensors every step."""
+    from torch.profiler import profile
+
+    from summarizer.decode.rules import Rules
+    from summarizer.decode.static import GreedyStep
+    tokenizer, _, lex, m = word_rules_model(tiny_prepared)
+    src = padded(tokenizer, ["the government of france said monday it would cut fuel taxes .", "rain ."])
+    s = settings(beam_size=1, max_len=10, min_len=2, no_repeat_ngram=2, known_words=True, no_repeat_words=True,
+                 truncate_bytes=40)
+    state = m.start_decoding(m.encode(src), src, capacity=s.max_len + 1)
+    rules = Rules(src, 1, s, lex, capacity=s.max_len + 1)
+    step = GreedyStep(m, state, rules, s.max_len + 1)
+    carried = lambda: [t.data_ptr() for t in (step.tokens, step.prefixes, step.step, rules.bytes, rules.min_len,  # noqa: E731
+                                              *(getattr(rules.words, n) for n in ("pieces", "length", "node", "f1",
+                                                                                   "h1", "finished", "used", "column")),
+                                              *(k for k, _ in state.self_kv))]
+    before = carried()
+    with explicit_attention(), profile() as prof:
+        for _ in range(s.max_len + 1):
+            tokens = step.run()
+    assert tokens.data_ptr() == before[0] and carried() == before
+    reads = {e.key for e in prof.key_averages()} & {"aten::_local_scalar_dense", "aten::item", "aten::nonzero"}
+    assert not reads
+    assert int(step.step) == s.max_len + 1 and int(rules.words.column) == s.max_len + 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_replay_equals_the_eager_search_on_a_gpu(model, sources):
-    """On a GPU the static search captures its step as a CUDA graph (after two eager steps) and replays it."""
+@pytest.mark.parametrize("beam", [4, 1])
+def test_cuda_graph_replay_equals_the_eager_search_on_a_gpu(model, sources, beam):
+    """On a GPU the static search captures its step as a CUDA graph (after two eager steps) and replays it: the
+    decoder's step at beam 4, the whole step (the rules and the token's choice too) in greedy."""
     m, src = Seq2Seq(model.cfg, 40).cuda().eval(), sources.cuda()
     m.load_state_dict(model.state_dict())
     captured = []
-    original = DecoderStep.__call__
+    original = Replayed.run
 
-    def spy(self, *args):
-        out = original(self, *args)
+    def spy(self):
+        out = original(self)
         captured.append(self.graph is not None)
         return out
 
-    s = settings(beam_size=4, no_repeat_ngram=2)
+    s = settings(beam_size=beam, no_repeat_ngram=2)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(DecoderStep, "__call__", spy)
-        assert static_search(m, src, s) == beam_search(m, src, s)
+        mp.setattr(Replayed, "run", spy)
+        assert static_search(m, src, s) == eager(m, src, s)
     assert captured[:2] == [False, False] and all(captured[2:]) and len(captured) > 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_captured_greedy_step_with_every_word_rule_equals_the_eager_search_on_a_gpu(tiny_prepared):
+    tokenizer, _, lex, m = word_rules_model(tiny_prepared)
+    src = padded(tokenizer, ["the government of france said monday it would cut fuel taxes .",
+                             "zorblatt corp shares fell sharply on friday after a profit warning .", "rain ."])
+    s = settings(beam_size=1, max_len=16, min_len=2, no_repeat_ngram=3, known_words=True, no_repeat_words=True,
+                 truncate_bytes=40)
+    m, src = m.cuda(), src.cuda()
+    assert static_search(m, src, s, lex) == greedy(m, src, s, lex)

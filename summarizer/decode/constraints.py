@@ -45,10 +45,12 @@ class WordRules:
     from the device, so a GPU never waits on the rules: a row's finished words take one column a step (-1 where
     it finished none), the known words they use up `Lexicon.key_nodes`' M columns a step, and the pieces of the
     word it is spelling as many columns as the batch's longest source word, plus one for any further piece (a
-    longer word is no source word)."""
+    longer word is no source word). With a `capacity` (steps), those columns are allocated once, -1 until their
+    step, and every step updates the state in place: the same tensors each step, which a CUDA graph can replay
+    (summarizer/decode/static.py); rows then never reorder or leave."""
 
     def __init__(self, lexicon: Lexicon, sources: list[list[int]], group: int, known_only: bool, no_repeat: bool,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", capacity: int = 0):
         self.lex = lex = lexicon.on(torch.device(device))
         self.known_only, self.no_repeat, self.group = known_only, no_repeat, group
         words = [lex.source_words(s) for s in sources]
@@ -77,9 +79,11 @@ class WordRules:
         self.f1, self.f2, self.h1, self.h2 = (torch.zeros(rows, dtype=torch.long, device=dev) for _ in range(4))
         # (R, steps) the repeat keys (hashes) of the words each row has finished, and (R, steps * M) the known-tree
         # nodes of every known word with one of those keys (-1 elsewhere: a hash is >= 0, a node > 0)
-        self.finished = torch.full((rows, 0), -1, dtype=torch.long, device=dev)
-        self.used = torch.full((rows, 0), -1, dtype=torch.long, device=dev)
-        self._ends = None  # may_end of the current rows, computed once per state
+        self.finished = torch.full((rows, capacity), -1, dtype=torch.long, device=dev)
+        self.used = torch.full((rows, capacity * lex.class_nodes.shape[1]), -1, dtype=torch.long, device=dev)
+        # with a capacity: the step each advance writes its columns at, counted on the device
+        self.fixed, self.column = capacity > 0, torch.zeros((), dtype=torch.long, device=dev)
+        self._ends = None  # may_end of the current rows, computed once per state (not with a capacity: see cut)
 
     # -- what the rows' words are -----------------------------------------------------------------------
     def _source_view(self):
@@ -100,7 +104,7 @@ class WordRules:
 
     def _may_end(self, source=None) -> Tensor:
         """(R,) may the word each row is spelling end here (be followed by a word start or EOS)?"""
-        if self._ends is not None:
+        if self._ends is not None and not self.fixed:  # a replayed step changes the state behind a cached value
             return self._ends
         begun = self.length > 0
         ok = torch.ones_like(begun)
@@ -199,21 +203,34 @@ class WordRules:
         inside = lex.has_text[tokens] & ~start  # a piece inside the word
         ending = start & (length > 0)  # rows whose word is finished by a new one
         ended = combined(h1, h2)
-        self.finished = torch.cat([self.finished[parents], torch.where(ending, ended, -1)[:, None]], dim=1)
-        # every known word of the ended word's key is used up
-        self.used = torch.cat([self.used[parents], torch.where(ending[:, None], lex.key_nodes(ended), -1)], dim=1)
+        finished, used = torch.where(ending, ended, -1)[:, None], torch.where(ending[:, None], lex.key_nodes(ended), -1)
+        if self.fixed:  # written at this step's columns, in place
+            m = used.shape[1]
+            self.finished.copy_(self.finished[parents]).scatter_(1, self.column.expand(len(parents), 1), finished)
+            at = (self.column * m + torch.arange(m, device=dev)).expand(len(parents), m)
+            self.used.copy_(self.used[parents]).scatter_(1, at, used)
+            self.column += 1
+        else:
+            self.finished = torch.cat([self.finished[parents], finished], dim=1)
+            # every known word of the ended word's key is used up
+            self.used = torch.cat([self.used[parents], used], dim=1)
         key = node * lex.vocab_size + tokens
         at = torch.searchsorted(lex.edge_key, key).clamp(max=len(lex.edge_key) - 1)
         child = torch.where((lex.edge_key[at] == key) & (node >= 0), lex.edge_child[at], -1)
-        self.node = torch.where(start, lex.root_child[tokens], torch.where(inside, child, node))
+        node = torch.where(start, lex.root_child[tokens], torch.where(inside, child, node))
         old = torch.stack([f1, f2, h1, h2])
         grown = torch.stack(lex.extend(*torch.where(start, 0, old), tokens))  # a word start begins from nothing
-        self.f1, self.f2, self.h1, self.h2 = torch.where(start | inside, grown, old)
+        f1, f2, h1, h2 = torch.where(start | inside, grown, old)
         pieces.masked_fill_(start[:, None], -1)
         column = torch.where(start, 0, length).clamp(max=pieces.shape[1] - 1)[:, None]  # the last takes the rest
         pieces.scatter_(1, column, torch.where(start | inside, tokens, pieces.gather(1, column)[:, 0])[:, None])
-        self.length = torch.where(start, 1, length + inside)
-        self.pieces = pieces
+        moved = {"pieces": pieces, "length": torch.where(start, 1, length + inside), "node": node,
+                 "f1": f1, "f2": f2, "h1": h1, "h2": h2}
+        for name, value in moved.items():
+            if self.fixed:
+                getattr(self, name).copy_(value)
+            else:
+                setattr(self, name, value)
         self._ends = None
 
     def select(self, rows, sentences) -> None:

@@ -27,14 +27,31 @@ def _block_repeats(log_probs: Tensor, prefixes: Tensor, n: int) -> Tensor:
     return log_probs.scatter_reduce_(1, grams[:, :, -1], torch.where(hits, -inf, inf), reduce="amin")
 
 
+def _block_repeats_at(log_probs: Tensor, tokens: Tensor, length: Tensor, n: int) -> Tensor:
+    """`_block_repeats` for prefixes in a fixed buffer: (R, C) `tokens` whose first `length` (a 0-d tensor on the
+    device) columns are each row's prefix. The same bans, from every n-gram that lies inside the prefix."""
+    if n <= 0 or tokens.shape[1] < n:
+        return log_probs
+    grams = tokens.unfold(1, n, 1)  # (R, C-n+1, n)
+    tail = tokens.gather(1, (length - n + 1 + torch.arange(n - 1, device=tokens.device)).clamp(min=0)
+                         .expand(len(tokens), n - 1))  # (R, n-1) the prefix's last n-1 tokens
+    inside = torch.arange(grams.shape[1], device=tokens.device) + n <= length  # (C-n+1,) grams within the prefix
+    hits = (grams[:, :, :-1] == tail[:, None, :]).all(dim=-1) & inside
+    inf = torch.full(hits.shape, float("inf"), dtype=log_probs.dtype, device=log_probs.device)
+    return log_probs.scatter_reduce_(1, grams[:, :, -1], torch.where(hits, -inf, inf), reduce="amin")
+
+
 class Rules:
     """What both searches forbid at each step, for the rows of one batch: PAD and BOS always; EOS before
     `min_len` tokens or the source's own length, whichever is shorter (and, with `min_bytes`, before the
     summary fills that many bytes); anything but EOS at `max_len`; a repeated piece n-gram; and, with
     `words`, pieces that would spell an unknown or a repeated word (summarizer/decode/constraints.py). Rows
-    follow their beams via `advance` and `select`."""
+    follow their beams via `advance` and `select`. With a `capacity` (steps), every step keeps the state's tensors
+    and updates them in place, and `apply_at` takes the step as a tensor: one CUDA graph replays every step
+    (summarizer/decode/static.py)."""
 
-    def __init__(self, src_ids: Tensor, group: int, settings: EvalConfig, lexicon: Lexicon | None):
+    def __init__(self, src_ids: Tensor, group: int, settings: EvalConfig, lexicon: Lexicon | None,
+                 capacity: int = 0):
         self.s = settings
         self.min_bytes = settings.truncate_bytes if lexicon is not None else 0
         # on the search's device once: indexing a CPU table, or with a Python list, would copy it there, and wait
@@ -47,7 +64,8 @@ class Rules:
         self.words = None
         if lexicon is not None and (settings.known_words or settings.no_repeat_words):
             self.words = WordRules(lexicon, [[t for t in row if t != PAD] for row in src_ids.tolist()], group,
-                                   settings.known_words, settings.no_repeat_words, src_ids.device)
+                                   settings.known_words, settings.no_repeat_words, src_ids.device, capacity)
+        self.fixed = capacity > 0
 
     def apply(self, log_probs: Tensor, step: int, prefixes: Tensor) -> Tensor:
         """(R, V) scores of the next token (the step's own tensor), every forbidden token set to -inf in place."""
@@ -64,11 +82,27 @@ class Rules:
             log_probs[:, EOS] = torch.where(torch.isinf(eos), torch.zeros_like(eos), eos)  # always allowed here
         return _block_repeats(log_probs, prefixes, self.s.no_repeat_ngram)
 
+    def apply_at(self, log_probs: Tensor, step: Tensor, tokens: Tensor) -> Tensor:
+        """`apply` with the step a 0-d tensor on the device and the prefixes `tokens` (R, C), their first `step`
+        columns: the same tokens forbidden, by arithmetic on the step rather than branches on it."""
+        log_probs.index_fill_(1, self.never, float("-inf"))
+        if self.words is not None:
+            self.words.mask(log_probs)
+        short = self.bytes < self.min_bytes + 1 if self.min_bytes else torch.zeros_like(self.min_len, dtype=torch.bool)
+        log_probs[:, EOS].masked_fill_(torch.where(step < self.s.min_len, step < self.min_len, short), float("-inf"))
+        eos, last = log_probs[:, EOS].clone(), step >= self.s.max_len
+        log_probs.masked_fill_(last, float("-inf"))
+        log_probs[:, EOS] = torch.where(last, torch.where(torch.isinf(eos), 0.0, eos), eos)
+        return _block_repeats_at(log_probs, tokens, step, self.s.no_repeat_ngram)
+
     def advance(self, parents: Tensor, tokens: Tensor, group: int | None = None) -> None:
         """Row i now continues row parents[i] with tokens[i]; `group` rows per sentence from now on if given."""
-        self.bytes, self.min_len = self.bytes[parents], self.min_len[parents]
-        if self.piece_bytes is not None:
-            self.bytes += self.piece_bytes[tokens]
+        grown = self.bytes[parents] + self.piece_bytes[tokens] if self.piece_bytes is not None else self.bytes[parents]
+        if self.fixed:
+            self.bytes.copy_(grown)
+            self.min_len.copy_(self.min_len[parents])
+        else:
+            self.bytes, self.min_len = grown, self.min_len[parents]
         if self.words is not None:
             self.words.advance(parents, tokens, group)
 

@@ -110,9 +110,9 @@ def beam_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon |
 def static_shapes(settings: EvalConfig) -> bool:
     """Whether batches decode with static shapes (summarizer/decode/static.py): only for `eval.shapes=static`.
     `auto` is the dynamic search on every device measured: on a CPU finished sentences leaving the batch save
-    work, and on a GPU (an H100) the static search's graph covers only the decoder's step while the search's
-    bookkeeping, eager around it, keeps the device waiting: in the default batches beam 4 at 0.80x, greedy 1.04x
-    (docs/results.md)."""
+    work, and on a GPU (an H100), where the beam's graph covers only the decoder's step and its bookkeeping, eager
+    around it, keeps the device waiting, beam 4 ran at 0.80x in the default batches (docs/results.md). Greedy's
+    graph covers its whole step (static.GreedyStep); until a GPU has timed it, `auto` stays dynamic there too."""
     return settings.shapes == "static"
 
 
