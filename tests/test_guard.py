@@ -139,6 +139,18 @@ def test_workers_start_with_the_stop_signals_blocked_until_they_ignore_them():
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the main process is as it was
 
 
+def test_a_dead_worker_is_told_from_other_errors_by_what_fetching_a_batch_raised():
+    """The loader's own error, or a broken connection to a worker that died handing over a batch (raised before the
+    loader saw it exit: its tensors travel by file descriptor); nothing else, and no connection error without
+    workers."""
+    assert guard.worker_died(RuntimeError("DataLoader worker (pid(s) 123) exited unexpectedly"), 2)
+    assert guard.worker_died(RuntimeError("DataLoader worker (pid 9) is killed by signal: Killed."), 2)
+    assert guard.worker_died(ConnectionResetError(104, "Connection reset by peer"), 2)
+    assert guard.worker_died(EOFError(), 1)
+    assert not guard.worker_died(ConnectionResetError(104, "Connection reset by peer"), 0)
+    assert not guard.worker_died(RuntimeError("CUDA error: an illegal memory access was encountered"), 2)
+
+
 def test_a_worker_that_died_of_the_stop_signal_is_a_stop_not_an_out_of_memory(tiny_data, tmp_path, monkeypatch):
     from summarizer.train.session import open_session
     cfg = load_config(ROOT / "configs/tiny.yaml", overrides(tiny_data, tmp_path / "run", "train.max_steps=5"))
@@ -149,6 +161,8 @@ def test_a_worker_that_died_of_the_stop_signal_is_a_stop_not_an_out_of_memory(ti
             died = RuntimeError("DataLoader worker (pid(s) 123) exited unexpectedly")
             with pytest.raises(guard.TrainingAborted, match="out-of-memory killer"):
                 guard.dead_worker(session, stop, died)  # no stop signal: a real crash
+            with pytest.raises(guard.TrainingAborted, match="died while handing over a batch.*ConnectionResetError"):
+                guard.dead_worker(session, stop, ConnectionResetError(104, "Connection reset by peer"))
             os.kill(os.getpid(), signal.SIGTERM)
             guard.dead_worker(session, stop, died)  # the group's SIGTERM reached the worker too: a stop
         finally:

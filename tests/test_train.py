@@ -190,6 +190,30 @@ def test_signal_to_the_process_group_checkpoints_then_exits_as_interrupted(tiny_
     assert pointer["step"] >= 5 and (tmp_path / "run" / pointer["checkpoint"]).exists()
 
 
+def test_a_worker_that_dies_handing_over_a_batch_is_a_dead_worker_too(tiny_data, tmp_path, monkeypatch):
+    """A worker killed while its batch's file descriptors are in transit breaks the connection before the loader
+    notices the exit: the same checkpoint and the same message as the loader's own error, not a traceback."""
+    from summarizer.train import guard
+    opened = train_mod.open_session
+
+    def breaking(cfg):
+        session = opened(cfg)
+        stream = session.stream
+
+        def batches():
+            for i, item in enumerate(stream):
+                if i == 6:
+                    raise ConnectionResetError(104, "Connection reset by peer")
+                yield item
+        session.stream = batches()
+        return session
+    monkeypatch.setattr(train_mod, "open_session", breaking)
+    cfg = make_cfg(tiny_data, tmp_path / "run", "train.max_steps=100", "data.num_workers=1")
+    with pytest.raises(guard.TrainingAborted, match="died while handing over a batch.*ConnectionResetError"):
+        train_mod.train(cfg)
+    assert json.loads((tmp_path / "run" / "latest.json").read_text())["step"] == 6
+
+
 def _children(pid: int) -> list[int]:
     tasks = Path(f"/proc/{pid}/task")
     return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]

@@ -115,14 +115,17 @@ def save_now(session: Session, every_rank: bool = True) -> None:
         checkpoint.save_step(session.snapshot(rng), session.cfg.run_dir, session.cfg.train.keep_last)
 
 
-def worker_died(exc: BaseException) -> bool:
-    """Is this the error the DataLoader raises when one of its worker processes died?"""
+def worker_died(exc: BaseException, workers: int) -> bool:
+    """Is this what fetching a batch raises when one of the DataLoader's `workers` processes died? The loader's own
+    error, or, when the worker dies while handing over a batch (its tensors' file descriptors), the broken
+    connection to it, raised before the loader has seen the worker exit."""
     text = str(exc)
-    return isinstance(exc, RuntimeError) and "DataLoader worker" in text and (
-        "killed by signal" in text or "exited unexpectedly" in text)
+    return (isinstance(exc, RuntimeError) and "DataLoader worker" in text and (
+        "killed by signal" in text or "exited unexpectedly" in text)) or (
+        workers > 0 and isinstance(exc, ConnectionError | EOFError))
 
 
-def dead_worker(session: Session, stop: StopFlag, exc: RuntimeError) -> None:
+def dead_worker(session: Session, stop: StopFlag, exc: Exception) -> None:
     """A DataLoader worker died, noticed between steps: checkpoint, then stop as a stop signal does when one came
     (a signal sent to the process group can reach a worker before it ignores signals), or abort clearly (the
     out-of-memory killer's SIGKILL is the usual cause)."""
@@ -132,8 +135,10 @@ def dead_worker(session: Session, stop: StopFlag, exc: RuntimeError) -> None:
         session.monitor.write(f"stopping at step {session.progress['step']}: {stop.name} (a DataLoader worker "
                               f"ended with it); checkpoint written")
         return
+    what = exc if isinstance(exc, RuntimeError) else \
+        f"a DataLoader worker died while handing over a batch ({type(exc).__name__}: {exc})"
     raise TrainingAborted(
-        f"{exc} (step {session.progress['step']}). When a worker is killed by SIGKILL it is usually the system's "
+        f"{what} (step {session.progress['step']}). When a worker is killed by SIGKILL it is usually the system's "
         f"out-of-memory killer: lower data.num_workers (now {cfg.data.num_workers}) or data.prefetch_factor "
         f"(now {cfg.data.prefetch_factor}), or free memory. The last completed step was checkpointed; run the "
         f"same command again to resume exactly.") from None

@@ -111,8 +111,8 @@ def train(cfg: Config) -> dict:
             try:
                 loop.children.deliver()  # a worker's death noticed during the last step raises here
                 fetched = [next(session.stream) for _ in range(cfg.train.accum_steps)]
-            except RuntimeError as exc:
-                if not worker_died(exc):
+            except (RuntimeError, ConnectionError, EOFError) as exc:
+                if not worker_died(exc, cfg.data.num_workers):
                     raise
                 dead_worker(session, loop.stop, exc)
                 break
