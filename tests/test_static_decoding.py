@@ -10,7 +10,7 @@ import torch
 from summarizer import runtime
 from summarizer.config.schema import EvalConfig, PlacementConfig, SystemConfig
 from summarizer.decode.search import beam_search, decode_all, greedy, static_shapes
-from summarizer.decode.static import DecoderStep, Replayed, static_search
+from summarizer.decode.static import Replayed, static_search
 from summarizer.model.attention import explicit_attention
 from summarizer.model.transformer import Seq2Seq
 from tests.decoding_models import padded, ragged_sources, settings, sharp_model, word_rules_model
@@ -53,21 +53,6 @@ def test_static_search_equals_the_eager_one_with_word_rules(tiny_prepared, beam,
         assert static_search(m, src, s, lex) == eager(m, src, s, lex)
 
 
-def test_every_step_of_a_static_decode_has_the_same_shapes(model, sources):
-    """The cache is allocated once at its full size and written in place; a step's output has one shape."""
-    state = model.start_decoding(model.encode(sources), sources, group=3, capacity=5)
-    buffers = [k.data_ptr() for k, _ in state.self_kv]
-    step = DecoderStep(model, state)
-    rows = sources.shape[0] * 3
-    shapes = set()
-    for i in range(5):
-        out = step(torch.randint(4, 40, (rows,)), torch.randperm(rows), i)
-        shapes.add(tuple(out.shape))
-    assert shapes == {(rows, 40)}
-    assert [k.data_ptr() for k, _ in state.self_kv] == buffers
-    assert all(k.shape == (rows, 4, 5, 8) for k, _ in state.self_kv)
-
-
 def test_static_shapes_are_used_only_where_asked_for():
     """auto is the dynamic search: measured faster on a CPU and, at beam 4, on a GPU (docs/results.md)."""
     assert [static_shapes(EvalConfig(shapes=v)) for v in ("auto", "static", "dynamic")] == [False, True, False]
@@ -101,29 +86,35 @@ def test_eval_with_static_shapes_writes_the_same_predictions(trained_run):
         assert len({len(p.split()) for p in predictions["static"]}) > 2
 
 
-def test_a_greedy_step_reads_nothing_back_and_updates_its_tensors_in_place(tiny_prepared):
-    """What a CUDA graph needs of `GreedyStep`, checked on the CPU: no value read back to the host inside a step
-    (every rule on), and the state it carries (cache, prefixes, the rules' tensors) in the same tensors every step."""
+@pytest.mark.parametrize("beam", [1, 3])
+def test_a_static_step_reads_nothing_back_and_updates_its_tensors_in_place(tiny_prepared, beam):
+    """What a CUDA graph needs of `GreedyStep` and `BeamStep`, checked on the CPU: no value read back to the host
+    inside a step (every rule on), and the state it carries (cache, prefixes, scores, the rules' tensors, what it
+    keeps for the host) in the same tensors, of the same shapes, every step."""
     from torch.profiler import profile
 
     from summarizer.decode.rules import Rules
-    from summarizer.decode.static import GreedyStep
+    from summarizer.decode.static import BeamStep, GreedyStep
     tokenizer, _, lex, m = word_rules_model(tiny_prepared)
     src = padded(tokenizer, ["the government of france said monday it would cut fuel taxes .", "rain ."])
-    s = settings(beam_size=1, max_len=10, min_len=2, no_repeat_ngram=2, known_words=True, no_repeat_words=True,
+    s = settings(beam_size=beam, max_len=10, min_len=2, no_repeat_ngram=2, known_words=True, no_repeat_words=True,
                  truncate_bytes=40)
-    state = m.start_decoding(m.encode(src), src, capacity=s.max_len + 1)
-    rules = Rules(src, 1, s, lex, capacity=s.max_len + 1)
-    step = GreedyStep(m, state, rules, s.max_len + 1)
-    carried = lambda: [t.data_ptr() for t in (step.tokens, step.prefixes, step.step, rules.bytes, rules.min_len,  # noqa: E731
-                                              *(getattr(rules.words, n) for n in ("pieces", "length", "node", "f1",
-                                                                                   "h1", "finished", "used", "column")),
-                                              *(k for k, _ in state.self_kv))]
+    state = m.start_decoding(m.encode(src), src, group=beam, capacity=s.max_len + 1)
+    rules = Rules(src, beam, s, lex, capacity=s.max_len + 1)
+    step = GreedyStep(m, state, rules, s.max_len + 1) if beam == 1 else BeamStep(m, state, rules, s.max_len + 1, beam)
+    kept = ("tokens", "prefixes", "step") + (("scores", "parents", "ranked", "top_scores", "top_parents", "before",
+                                               "cuts") if beam > 1 else ())
+    words = ("pieces", "length", "node", "f1", "h1", "finished", "used", "column")
+
+    def carried():
+        tensors = [getattr(step, n) for n in kept] + [rules.bytes, rules.min_len] + \
+            [getattr(rules.words, n) for n in words] + [k for k, _ in state.self_kv]
+        return [(t.data_ptr(), tuple(t.shape)) for t in tensors]
+
     before = carried()
     with explicit_attention(), profile() as prof:
-        for _ in range(s.max_len + 1):
-            tokens = step.run()
-    assert tokens.data_ptr() == before[0] and carried() == before
+        outputs = {step.run().data_ptr() for _ in range(s.max_len + 1)}
+    assert carried() == before and len(outputs) == 1
     reads = {e.key for e in prof.key_averages()} & {"aten::_local_scalar_dense", "aten::item", "aten::nonzero"}
     assert not reads
     assert int(step.step) == s.max_len + 1 and int(rules.words.column) == s.max_len + 1
@@ -132,8 +123,7 @@ def test_a_greedy_step_reads_nothing_back_and_updates_its_tensors_in_place(tiny_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("beam", [4, 1])
 def test_cuda_graph_replay_equals_the_eager_search_on_a_gpu(model, sources, beam):
-    """On a GPU the static search captures its step as a CUDA graph (after two eager steps) and replays it: the
-    decoder's step at beam 4, the whole step (the rules and the token's choice too) in greedy."""
+    """On a GPU the static search captures its whole step as a CUDA graph (after two eager steps) and replays it."""
     m, src = Seq2Seq(model.cfg, 40).cuda().eval(), sources.cuda()
     m.load_state_dict(model.state_dict())
     captured = []
@@ -152,11 +142,12 @@ def test_cuda_graph_replay_equals_the_eager_search_on_a_gpu(model, sources, beam
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_captured_greedy_step_with_every_word_rule_equals_the_eager_search_on_a_gpu(tiny_prepared):
+@pytest.mark.parametrize("beam", [1, 4])
+def test_a_captured_step_with_every_word_rule_equals_the_eager_search_on_a_gpu(tiny_prepared, beam):
     tokenizer, _, lex, m = word_rules_model(tiny_prepared)
     src = padded(tokenizer, ["the government of france said monday it would cut fuel taxes .",
                              "zorblatt corp shares fell sharply on friday after a profit warning .", "rain ."])
-    s = settings(beam_size=1, max_len=16, min_len=2, no_repeat_ngram=3, known_words=True, no_repeat_words=True,
+    s = settings(beam_size=beam, max_len=16, min_len=2, no_repeat_ngram=3, known_words=True, no_repeat_words=True,
                  truncate_bytes=40)
     m, src = m.cuda(), src.cuda()
-    assert static_search(m, src, s, lex) == greedy(m, src, s, lex)
+    assert static_search(m, src, s, lex) == eager(m, src, s, lex)

@@ -125,13 +125,13 @@ def best_tokens(log_probs: Tensor) -> Tensor:
     return torch.where(best == float("-inf"), EOS, tokens)
 
 
-def ended_hypotheses(rows: Tensor, prefixes: Tensor, rules: Rules, end: int | None = None,
+def ended_hypotheses(rows: Tensor, prefixes: Tensor, cuts: Tensor, end: int | None = None,
                      tags: Tensor | None = None) -> list[tuple]:
-    """(E,) rows whose hypothesis ends now -> (tag, its ids) each: the ids are `prefixes`' columns 1..end (BOS
-    left out) less the pieces `rules.cuts` drops, the tag the row's entry of `tags` (default: the row). One read
-    from the device for them all."""
+    """(E,) rows whose hypothesis ends now, and how many pieces to drop from each (`Rules.cuts`) -> (tag, its ids)
+    each: the ids are `prefixes`' columns 1..end (BOS left out) less the pieces cut, the tag the row's entry of
+    `tags` (default: the row). One read from the device for them all."""
     tags = rows if tags is None else tags
-    table = torch.cat([tags[:, None], rules.cuts(rows)[:, None], prefixes[rows, 1:end]], dim=1).tolist()
+    table = torch.cat([tags[:, None], cuts[:, None], prefixes[rows, 1:end]], dim=1).tolist()
     return [(tag, ids[:len(ids) - cut]) for tag, cut, *ids in table]
 
 
@@ -142,9 +142,16 @@ def finalise(finished: list, alive: list[int], prefixes: Tensor, top_scores: Ten
     device when a candidate ends, one when none does."""
     ranked = is_eos & (torch.arange(is_eos.shape[1], device=is_eos.device) < k)
     rows, cols = ranked.nonzero(as_tuple=True)
-    if not rows.numel():
-        return
-    ended = ended_hypotheses(parents[rows, cols], prefixes, rules, tags=rows)
+    if rows.numel():
+        keep_ended(finished, alive, rows, cols, prefixes, top_scores, parents, rules.cuts(parents[rows, cols]), k,
+                   length_penalty)
+
+
+def keep_ended(finished: list, alive: list[int], rows: Tensor, cols: Tensor, prefixes: Tensor, top_scores: Tensor,
+               parents: Tensor, cuts: Tensor, k: int, length_penalty: float) -> None:
+    """The EOS candidates at (rows, cols) of `top_scores` (extending `parents`' rows, less `cuts` pieces each) into
+    their sentences' finished lists, at most K each, scored by their length as searched (EOS included)."""
+    ended = ended_hypotheses(parents[rows, cols], prefixes, cuts, tags=rows)
     searched = prefixes.shape[1]  # every hypothesis' length as searched, EOS included (before any cut word)
     for (row, hyp), score in zip(ended, top_scores[rows, cols].tolist(), strict=True):
         b = alive[row]
@@ -167,7 +174,7 @@ def greedy_step(log_probs: Tensor, prefixes: Tensor, rules: Rules) -> tuple[Tens
     prefixes = torch.cat([prefixes, tokens[:, None]], dim=1)
     rules.advance(torch.arange(len(tokens), device=tokens.device), tokens)
     rows = (tokens == EOS).nonzero().squeeze(1)
-    return tokens, prefixes, ended_hypotheses(rows, prefixes, rules, end=-1) if rows.numel() else []
+    return tokens, prefixes, ended_hypotheses(rows, prefixes, rules.cuts(rows), end=-1) if rows.numel() else []
 
 
 def beam_step(log_probs: Tensor, scores: Tensor, width: int, k: int, prefixes: Tensor, rules: Rules,

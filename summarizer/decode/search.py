@@ -110,9 +110,9 @@ def beam_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon |
 def static_shapes(settings: EvalConfig) -> bool:
     """Whether batches decode with static shapes (summarizer/decode/static.py): only for `eval.shapes=static`.
     `auto` is the dynamic search on every device measured: on a CPU finished sentences leaving the batch save
-    work, and on a GPU (an H100), where the beam's graph covers only the decoder's step and its bookkeeping, eager
-    around it, keeps the device waiting, beam 4 ran at 0.80x in the default batches (docs/results.md). Greedy's
-    graph covers its whole step (static.GreedyStep); until a GPU has timed it, `auto` stays dynamic there too."""
+    work. On a GPU (an H100) a graph of the decoder's step alone, its bookkeeping eager around it, ran beam 4 at
+    0.80x in the default batches (docs/results.md). The graph now covers the whole step (static.GreedyStep,
+    BeamStep); until a GPU has timed that, `auto` stays dynamic there too."""
     return settings.shapes == "static"
 
 

@@ -1,8 +1,8 @@
 """Beam search and greedy with static shapes: every step of a batch has the same tensor shapes, so a GPU replays
-a step as one CUDA graph instead of launching its hundreds of kernels from Python: at beam K the decoder's step
-(`DecoderStep`; the beam's bookkeeping stays eager), in greedy the whole step, the rules and the choice of token
-included (`GreedyStep`: the rules keep their state in tensors of fixed size, updated in place, and take the step
-as a tensor: `Rules(capacity=...)`, `Rules.apply_at`).
+a whole step as one CUDA graph instead of launching its hundreds of kernels from Python: the decoder's step, every
+rule, the choice of tokens and the beam's bookkeeping (`GreedyStep`, `BeamStep`). The rules keep their state in
+tensors of fixed size, updated in place, and take the step as a tensor (`Rules(capacity=...)`, `Rules.apply_at`);
+the host reads back only the hypotheses that end.
 
 What changes against `search.beam_search`, and only in how, not what, it computes: the KV cache has a fixed size
 (`max_len + 1` positions, written in place: `Seq2Seq.start_decoding(capacity=...)`); every sentence has `beam_size`
@@ -24,7 +24,7 @@ from torch import Tensor
 from summarizer.config.schema import EvalConfig
 from summarizer.data.tokenizer import BOS, EOS
 from summarizer.decode.lexicon import Lexicon
-from summarizer.decode.rules import Rules, beam_step, best_tokens, ended_hypotheses
+from summarizer.decode.rules import Rules, best_tokens, continuing, ended_hypotheses, keep_ended
 
 
 @functools.cache
@@ -79,28 +79,6 @@ class Replayed:
         return self.out
 
 
-class DecoderStep(Replayed):
-    """One step of a fixed-size-cache decode: reorder the cache by `parents`, feed `tokens` at position `step`,
-    return the (R, V) log-probabilities (beam search: its bookkeeping around the step stays eager)."""
-
-    def __init__(self, model, state, warmup: int = 2):
-        rows, device = state.self_kv[0][0].shape[0], state.memory.device
-        super().__init__(device, True, warmup)
-        self.model, self.state = model, state
-        self.tokens = torch.full((rows,), BOS, dtype=torch.long, device=device)
-        self.parents = torch.arange(rows, device=device)
-
-    def _run(self) -> Tensor:
-        self.model.reorder(self.state, self.parents)
-        return self.model.decode(self.tokens[:, None], self.state.memory, self.state.src_ids, self.state)[:, -1]
-
-    def __call__(self, tokens: Tensor, parents: Tensor, step: int) -> Tensor:
-        self.tokens.copy_(tokens)
-        self.parents.copy_(parents)
-        self.state.position.fill_(step)
-        return self.run()
-
-
 class GreedyStep(Replayed):
     """A whole greedy step, the rules and the choice of token included, over buffers it updates in place: the
     decoder's step at the cache's next position, `Rules.apply_at`, the best allowed token of each row written
@@ -129,6 +107,79 @@ class GreedyStep(Replayed):
         return self.tokens
 
 
+class BeamStep(Replayed):
+    """A whole beam step over buffers it updates in place: the cache reordered by the last step's parents, the
+    decoder's step, `Rules.apply_at`, the 2K best candidates of each sentence, and the K best that do not end
+    continued (scores, parents, tokens, prefixes, the rules). What the host needs of the candidates that end is
+    kept aside before the rows move on: which are ranked within the top K (`ranked`, the step's output), their
+    scores and parent rows, and every row's prefix and cut (`Rules.cuts`) as they were. So a GPU replays one graph
+    for every step and the host reads back only the candidates that end."""
+
+    def __init__(self, model, state, rules: Rules, capacity: int, k: int, warmup: int = 2):
+        device = state.src_ids.device
+        super().__init__(device, state.memory.device == device, warmup)
+        rows = state.self_kv[0][0].shape[0]
+        self.model, self.state, self.rules, self.k = model, state, rules, k
+        self.tokens = torch.full((rows,), BOS, dtype=torch.long, device=device)
+        self.rows = torch.arange(rows, device=device)
+        self.parents = self.rows.clone()  # the rows each continues: the cache is reordered by them at the next step
+        self.prefixes = torch.full((rows, capacity + 1), BOS, dtype=torch.long, device=device)  # BOS, then tokens
+        self.scores = torch.full((rows // k, k), float("-inf"), device=device)
+        self.scores[:, 0] = 0.0  # the first step extends beam 0 only: its K rows are the same BOS
+        self.step = torch.zeros((), dtype=torch.long, device=device)
+        # the candidates that end, as the step left them for the host
+        self.ranked = torch.zeros((rows // k, 2 * k), dtype=torch.bool, device=device)
+        self.top_scores = torch.zeros((rows // k, 2 * k), device=device)
+        self.top_parents = torch.zeros((rows // k, 2 * k), dtype=torch.long, device=device)
+        self.before = torch.empty_like(self.prefixes)
+        self.cuts = torch.zeros(rows, dtype=torch.long, device=device)
+
+    def _run(self) -> Tensor:
+        k, n = self.k, self.scores.shape[0]
+        self.model.reorder(self.state, self.parents)
+        log_probs = self.model.decode(self.tokens[:, None], self.state.memory, self.state.src_ids, self.state)[:, -1]
+        log_probs = self.rules.apply_at(log_probs.to(self.device), self.step, self.prefixes[:, 1:])
+        vocab = log_probs.shape[-1]
+        top_scores, top_index = log_probs.add_(self.scores.view(-1, 1)).reshape(n, k * vocab).topk(2 * k, dim=-1)
+        token = top_index % vocab
+        is_eos = (token == EOS) & torch.isfinite(top_scores)
+        parents = torch.arange(n, device=self.device)[:, None] * k + top_index // vocab  # (n, 2K) the rows extended
+        self.ranked.copy_(is_eos & (torch.arange(2 * k, device=self.device) < k))
+        self.top_scores.copy_(top_scores)
+        self.top_parents.copy_(parents)
+        self.before.copy_(self.prefixes)
+        self.cuts.copy_(self.rules.cuts(self.rows))
+        scores, parents, tokens = continuing(top_scores, parents, token, is_eos, k)
+        self.scores.copy_(scores)
+        self.parents.copy_(parents)
+        self.tokens.copy_(tokens)
+        self.prefixes.copy_(self.prefixes[parents])
+        self.prefixes.scatter_(1, (self.step + 1).expand(len(tokens), 1), tokens[:, None])
+        self.rules.advance(parents, tokens)
+        self.step += 1
+        self.state.position += 1
+        return self.ranked
+
+
+def _beam(model, state, rules: Rules, settings: EvalConfig) -> list[list[int]]:
+    """Beam search over a static batch: one `BeamStep` a step, then the candidates that end read back (one wait
+    for the device a step, three when one ended) into their sentences' finished lists; a finished sentence's
+    later candidates are ignored."""
+    k = settings.beam_size
+    step_of = BeamStep(model, state, rules, settings.max_len + 1, k)
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(step_of.scores.shape[0])]
+    alive = list(range(len(finished)))
+    for step in range(settings.max_len + 1):
+        rows, cols = step_of.run().nonzero(as_tuple=True)
+        if rows.numel():
+            parents = step_of.top_parents
+            keep_ended(finished, alive, rows, cols, step_of.before[:, :step + 1], step_of.top_scores, parents,
+                       step_of.cuts[parents[rows, cols]], k, settings.length_penalty)
+        if all(len(f) >= k for f in finished):
+            break
+    return [max(f, key=lambda item: item[0])[1] if f else [] for f in finished]
+
+
 def _greedy(model, state, rules: Rules, settings: EvalConfig) -> list[list[int]]:
     """Greedy over a static batch: one `GreedyStep` a step, then the rows that ended now read back (one wait for
     the device a step, and one more when a row ended); a row keeps its first ending."""
@@ -142,7 +193,7 @@ def _greedy(model, state, rules: Rules, settings: EvalConfig) -> list[list[int]]
         done |= ended
         now = ended.nonzero().squeeze(1)
         if now.numel():
-            for row, ids in ended_hypotheses(now, step_of.prefixes[:, :step + 2], rules, end=-1):
+            for row, ids in ended_hypotheses(now, step_of.prefixes[:, :step + 2], rules.cuts(now), end=-1):
                 out[row] = ids
                 left -= 1
         if not left:
@@ -155,23 +206,7 @@ def static_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon
     """(B, S) source ids -> B lists of target ids, as `search.beam_search` (`search.greedy` for beam 1) returns
     them, every step in the same shapes. A sentence's hypotheses are (score, ids) as beam search keeps them;
     greedy keeps its one."""
-    batch, k, device = src_ids.shape[0], settings.beam_size, src_ids.device
-    rows = batch * k
+    k = settings.beam_size
     state = model.start_decoding(model.encode(src_ids), src_ids, group=k, capacity=settings.max_len + 1)
-    if k == 1:
-        return _greedy(model, state, Rules(src_ids, 1, settings, lexicon, capacity=settings.max_len + 1), settings)
-    step_of = DecoderStep(model, state)
-    rules = Rules(src_ids, k, settings, lexicon)
-    alive = list(range(batch))
-    prefixes = torch.full((rows, 1), BOS, dtype=torch.long, device=device)
-    tokens, parents = prefixes[:, 0], torch.arange(rows, device=device)
-    scores = torch.full((batch, k), float("-inf"), device=device)
-    scores[:, 0] = 0.0  # the first step extends beam 0 only: its K rows are the same BOS
-    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
-    for step in range(settings.max_len + 1):
-        log_probs = rules.apply(step_of(tokens, parents, step).to(device), step, prefixes[:, 1:])  # (R, V)
-        scores, parents, tokens, prefixes = beam_step(log_probs, scores, k, k, prefixes, rules, finished, alive,
-                                                      settings.length_penalty)
-        if all(len(f) >= k for f in finished):
-            break
-    return [max(f, key=lambda item: item[0])[1] if f else [] for f in finished]
+    rules = Rules(src_ids, k, settings, lexicon, capacity=settings.max_len + 1)
+    return (_greedy if k == 1 else _beam)(model, state, rules, settings)
