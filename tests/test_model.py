@@ -150,3 +150,24 @@ def test_explicit_attention_survives_a_fully_masked_row():
     q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     out = attention_explicit(q, k, v, torch.zeros(1, 1, 1, 5, dtype=torch.bool), False, 0.0)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_torch_compile_sees_the_whole_model_as_one_graph(explicit):
+    """train.compile compiles the model whole: the attention kernel's choice (a context, which torch.compile cannot
+    read) is taken once at compile time, so no attention call breaks the graph (each used to: 2 graphs per call),
+    and the compiled model computes what the eager one does. Dropout on, as torch's kernel (the GPU's)."""
+    import torch._dynamo
+
+    from summarizer.model.attention import explicit_attention
+    torch.manual_seed(0)
+    model = Seq2Seq(ModelConfig(d_model=32, n_heads=4, encoder_layers=2, decoder_layers=2, ffn_dim=64, dropout=0.1,
+                                fast_dropout=False), 50)
+    src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))
+    with explicit_attention(explicit):
+        assert torch._dynamo.explain(model.train())(src, tgt).graph_break_count == 0
+        torch._dynamo.reset()
+        model.eval()
+        compiled = torch.compile(model)
+        assert torch.allclose(compiled(src, tgt).logits, model(src, tgt).logits, atol=1e-5)
+    torch._dynamo.reset()

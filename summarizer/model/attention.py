@@ -28,6 +28,14 @@ def explicit_attention(enabled: bool = True):
         _EXPLICIT_ATTENTION.reset(token)
 
 
+@torch.compiler.assume_constant_result
+def _explicit() -> bool:
+    """The `explicit_attention` context's choice. Compiled code reads it once, when it is compiled (a ContextVar is
+    opaque to torch.compile: reading it there would break every attention call out of the compiled graph); a run
+    compiles its model inside the one context it trains in (runtime.Runtime.compute)."""
+    return _EXPLICIT_ATTENTION.get()
+
+
 def attention_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
                        dropout_p: float) -> Tensor:
     """softmax(q k^T / sqrt(d) + bias) v as two batched matmuls, the mask folded into the first.
@@ -74,7 +82,7 @@ class Attention(nn.Module):
                 is_causal: bool = False) -> Tensor:
         q = self.split_heads(self.q_proj(x))  # (B, H, Tq, D/H)
         dropout_p = self.dropout if self.training else 0.0
-        if _EXPLICIT_ATTENTION.get():
+        if _explicit():
             out = attention_explicit(q, k, v, mask, is_causal, dropout_p)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p)
