@@ -195,8 +195,9 @@ def profile_row(cfg: Config, top: int = 12) -> dict:
     events = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)
     steps = {e.key: e.count for e in events}.get("aten::topk" if beam > 1 else "aten::max", 0)
     summary = per_step(averages, steps, wall)
-    row = {"beam": beam, "sentences": len(sources), "wall_s": wall, "steps": steps,
-           "ops_s": summary["ops_ms"] * steps / 1e3, "ops_share": summary["ops_ms"] * steps / 1e3 / wall,
+    ops_s = summary["ops_ms"] * summary["steps"] / 1e3  # per_step counts at least one step
+    row = {"beam": beam, "sentences": len(sources), "wall_s": wall, "steps": steps, "ops_s": ops_s,
+           "ops_share": ops_s / wall,
            "host_reads_per_step": summary["host_reads"], "top_ops": [
                {"op": e.key, "calls": e.count, "self_s": e.self_cpu_time_total / 1e6,
                 "share": e.self_cpu_time_total / 1e6 / wall} for e in events[:top]]}
@@ -204,7 +205,7 @@ def profile_row(cfg: Config, top: int = 12) -> dict:
     if cuda:
         sort = "self_device_time_total"
         device = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)
-        row["device_s"], row["device_share"] = summary["device_ms"] * steps / 1e3, summary["device_share"]
+        row["device_s"], row["device_share"] = summary["device_ms"] * summary["steps"] / 1e3, summary["device_share"]
         row["top_device_ops"] = [{"op": e.key, "calls": e.count, "self_s": e.self_device_time_total / 1e6}
                                  for e in device[:top]]
         row["launches_per_step"] = summary["launches"]

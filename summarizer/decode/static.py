@@ -35,19 +35,41 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class Replayed:
-    """A step whose tensors keep their place from call to call (`_run`, over buffers its subclass fills): on CUDA,
-    after `warmup` eager calls on a side stream (which CUDA graph capture asks for), captured once as a graph and
+    """A search step over buffers it updates in place (`_run`): the rows' last tokens, their prefixes (BOS, then
+    `capacity` tokens), the step, the cache and the rules. On CUDA, with the whole model on the search's GPU, after
+    `warmup` eager calls on a side stream (which CUDA graph capture asks for), it is captured once as a graph and
     replayed; its output is then the same tensor every call, valid until the next one. Elsewhere, or where the
     capture fails (said once, on stderr), it runs eagerly."""
 
     warned = False
 
-    def __init__(self, device: torch.device, graphs: bool, warmup: int = 2):
-        self.device, self.graphs, self.warmup, self.calls = device, graphs and device.type == "cuda", warmup, 0
+    def __init__(self, model, state, rules: Rules, capacity: int, warmup: int = 2):
+        self.device = device = state.src_ids.device
+        self.graphs, self.warmup, self.calls = device.type == "cuda" and state.memory.device == device, warmup, 0
         self.graph, self.out = None, None
+        self.model, self.state, self.rules = model, state, rules
+        rows = state.self_kv[0][0].shape[0]
+        self.rows = torch.arange(rows, device=device)
+        self.tokens = torch.full((rows,), BOS, dtype=torch.long, device=device)
+        self.prefixes = torch.full((rows, capacity + 1), BOS, dtype=torch.long, device=device)
+        self.step = torch.zeros((), dtype=torch.long, device=device)
 
     def _run(self) -> Tensor:
         raise NotImplementedError
+
+    def _log_probs(self) -> Tensor:
+        """(R, V) scores of each row's next token, every token the rules forbid at -inf."""
+        log_probs = self.model.decode(self.tokens[:, None], self.state.memory, self.state.src_ids, self.state)[:, -1]
+        return self.rules.apply_at(log_probs.to(self.device), self.step, self.prefixes[:, 1:])
+
+    def _move_on(self, parents: Tensor, tokens: Tensor) -> None:
+        """Row i continues row parents[i] (its prefix already there) with tokens[i]: the prefixes, the rules, the
+        step and the cache's position follow."""
+        self.tokens.copy_(tokens)
+        self.prefixes.scatter_(1, (self.step + 1).expand(len(tokens), 1), tokens[:, None])
+        self.rules.advance(parents, tokens)
+        self.step += 1
+        self.state.position += 1
 
     def run(self) -> Tensor:
         if self.graph is not None:
@@ -80,53 +102,32 @@ class Replayed:
 
 
 class GreedyStep(Replayed):
-    """A whole greedy step, the rules and the choice of token included, over buffers it updates in place: the
-    decoder's step at the cache's next position, `Rules.apply_at`, the best allowed token of each row written
-    into the prefixes, and the rules advanced by it. Returns the (R,) tokens. Nothing is read back and no step
-    differs in shape or code from another, so a GPU replays one graph for every step, where the eager search
-    launches hundreds of kernels a step from Python."""
-
-    def __init__(self, model, state, rules: Rules, capacity: int, warmup: int = 2):
-        device = state.src_ids.device
-        super().__init__(device, state.memory.device == device, warmup)
-        rows = state.self_kv[0][0].shape[0]
-        self.model, self.state, self.rules = model, state, rules
-        self.tokens = torch.full((rows,), BOS, dtype=torch.long, device=device)
-        self.prefixes = torch.full((rows, capacity + 1), BOS, dtype=torch.long, device=device)  # BOS, then tokens
-        self.step, self.rows = torch.zeros((), dtype=torch.long, device=device), torch.arange(rows, device=device)
+    """A whole greedy step, the rules and the choice of token included: the decoder's step at the cache's next
+    position, `Rules.apply_at`, the best allowed token of each row written into the prefixes, and the rules
+    advanced by it. Returns the (R,) tokens. Nothing is read back and no step differs in shape or code from
+    another, so a GPU replays one graph for every step, where the eager search launches hundreds of kernels a
+    step from Python."""
 
     def _run(self) -> Tensor:
-        log_probs = self.model.decode(self.tokens[:, None], self.state.memory, self.state.src_ids, self.state)[:, -1]
-        log_probs = self.rules.apply_at(log_probs.to(self.device), self.step, self.prefixes[:, 1:])
-        tokens = best_tokens(log_probs)
-        self.tokens.copy_(tokens)
-        self.prefixes.scatter_(1, (self.step + 1).expand(len(tokens), 1), tokens[:, None])
-        self.rules.advance(self.rows, tokens)
-        self.step += 1
-        self.state.position += 1
+        self._move_on(self.rows, best_tokens(self._log_probs()))
         return self.tokens
 
 
 class BeamStep(Replayed):
-    """A whole beam step over buffers it updates in place: the cache reordered by the last step's parents, the
-    decoder's step, `Rules.apply_at`, the 2K best candidates of each sentence, and the K best that do not end
-    continued (scores, parents, tokens, prefixes, the rules). What the host needs of the candidates that end is
-    kept aside before the rows move on: which are ranked within the top K (`ranked`, the step's output), their
-    scores and parent rows, and every row's prefix and cut (`Rules.cuts`) as they were. So a GPU replays one graph
-    for every step and the host reads back only the candidates that end."""
+    """A whole beam step: the cache reordered by the last step's parents, the decoder's step, `Rules.apply_at`,
+    the 2K best candidates of each sentence, and the K best that do not end continued (scores, parents, tokens,
+    prefixes, the rules). What the host needs of the candidates that end is kept aside before the rows move on:
+    which are ranked within the top K (`ranked`, the step's output), their scores and parent rows, and every row's
+    prefix and cut (`Rules.cuts`) as they were. So a GPU replays one graph for every step and the host reads back
+    only the candidates that end."""
 
     def __init__(self, model, state, rules: Rules, capacity: int, k: int, warmup: int = 2):
-        device = state.src_ids.device
-        super().__init__(device, state.memory.device == device, warmup)
-        rows = state.self_kv[0][0].shape[0]
-        self.model, self.state, self.rules, self.k = model, state, rules, k
-        self.tokens = torch.full((rows,), BOS, dtype=torch.long, device=device)
-        self.rows = torch.arange(rows, device=device)
+        super().__init__(model, state, rules, capacity, warmup)
+        rows, device = len(self.rows), self.device
+        self.k = k
         self.parents = self.rows.clone()  # the rows each continues: the cache is reordered by them at the next step
-        self.prefixes = torch.full((rows, capacity + 1), BOS, dtype=torch.long, device=device)  # BOS, then tokens
         self.scores = torch.full((rows // k, k), float("-inf"), device=device)
         self.scores[:, 0] = 0.0  # the first step extends beam 0 only: its K rows are the same BOS
-        self.step = torch.zeros((), dtype=torch.long, device=device)
         # the candidates that end, as the step left them for the host
         self.ranked = torch.zeros((rows // k, 2 * k), dtype=torch.bool, device=device)
         self.top_scores = torch.zeros((rows // k, 2 * k), device=device)
@@ -137,8 +138,7 @@ class BeamStep(Replayed):
     def _run(self) -> Tensor:
         k, n = self.k, self.scores.shape[0]
         self.model.reorder(self.state, self.parents)
-        log_probs = self.model.decode(self.tokens[:, None], self.state.memory, self.state.src_ids, self.state)[:, -1]
-        log_probs = self.rules.apply_at(log_probs.to(self.device), self.step, self.prefixes[:, 1:])
+        log_probs = self._log_probs()
         vocab = log_probs.shape[-1]
         top_scores, top_index = log_probs.add_(self.scores.view(-1, 1)).reshape(n, k * vocab).topk(2 * k, dim=-1)
         token = top_index % vocab
@@ -152,12 +152,8 @@ class BeamStep(Replayed):
         scores, parents, tokens = continuing(top_scores, parents, token, is_eos, k)
         self.scores.copy_(scores)
         self.parents.copy_(parents)
-        self.tokens.copy_(tokens)
         self.prefixes.copy_(self.prefixes[parents])
-        self.prefixes.scatter_(1, (self.step + 1).expand(len(tokens), 1), tokens[:, None])
-        self.rules.advance(parents, tokens)
-        self.step += 1
-        self.state.position += 1
+        self._move_on(parents, tokens)
         return self.ranked
 
 
