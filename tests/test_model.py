@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from summarizer import runtime
 from summarizer.config.schema import ModelConfig
 from summarizer.model.transformer import Seq2Seq
 
@@ -157,8 +158,10 @@ def test_torch_compile_sees_the_whole_model_as_one_graph(explicit):
     """train.compile compiles the model whole: the attention kernel's choice (a context, which torch.compile cannot
     read) is taken once at compile time, so no attention call breaks the graph (base.yaml's and gigaword.yaml's
     models used to compile as 13 graphs), and the compiled model computes what the eager one does. Dropout on, as
-    torch's kernel (the GPU's)."""
+    torch's kernel (the GPU's). Batches of another size and other lengths run the same compiled graph: it is
+    compiled with symbolic shapes from the first batch, not once for that batch's shape and again for the next."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     from summarizer.model.attention import explicit_attention
     torch.manual_seed(0)
@@ -168,7 +171,11 @@ def test_torch_compile_sees_the_whole_model_as_one_graph(explicit):
     with explicit_attention(explicit):
         assert torch._dynamo.explain(model.train())(src, tgt).graph_break_count == 0
         torch._dynamo.reset()
+        counters.clear()
         model.eval()
-        compiled = torch.compile(model)
-        assert torch.allclose(compiled(src, tgt).logits, model(src, tgt).logits, atol=1e-5)
+        compiled = runtime.compile_model(model)
+        for shape in ((3, 7, 5), (5, 12, 8), (2, 9, 3)):
+            src, tgt = torch.randint(4, 50, shape[:2]), torch.randint(4, 50, (shape[0], shape[2]))
+            assert torch.allclose(compiled(src, tgt).logits, model(src, tgt).logits, atol=1e-5)
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()

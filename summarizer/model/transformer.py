@@ -115,9 +115,10 @@ class DecoderLayer(nn.Module):
             k, v = past_kv
         elif past_kv is not None:
             k, v = torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2)  # (R, H, T_past + T_new, D/H)
-        # Causal masking is only needed when several new positions are decoded at once; a single
-        # new position may see the whole (cached) past.
-        x = x + self.drop(self.self_attn(h, k, v, mask=self_mask, is_causal=x.shape[1] > 1))
+        # Causal masking is needed where the whole prefix is decoded at once (no cache); a cached step decodes one
+        # new position, which may see the whole past. Decided by the call, not by a length: with symbolic lengths
+        # (train.compile) `x.shape[1] > 1` is a SymBool, which SDPA refuses, so every self-attention broke the graph.
+        x = x + self.drop(self.self_attn(h, k, v, mask=self_mask, is_causal=past_kv is None))
         r, t, d = x.shape
         cross = self.cross_attn(self.norm2(x).reshape(r // group, group * t, d), *memory_kv, mask=src_mask)
         x = x + self.drop(cross.reshape(r, t, d))

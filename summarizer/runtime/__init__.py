@@ -14,8 +14,8 @@ from summarizer.runtime.device import (
     set_cpu_kernel_cache,
     setup,
 )
-from summarizer.runtime.distributed import all_gather_object, all_reduce_sum, teardown, unwrap, wrap_ddp
+from summarizer.runtime.distributed import all_gather_object, all_reduce_sum, compile_model, teardown, unwrap, wrap_ddp
 
-__all__ = ["Runtime", "all_gather_object", "all_reduce_sum", "cpu_has_fast_bf16", "eval_mode", "make_scaler", "move",
-           "move_batch", "resolve_device", "resolve_precision", "seed_everything", "set_cpu_kernel_cache", "setup",
-           "teardown", "unwrap", "wrap_ddp"]
+__all__ = ["Runtime", "all_gather_object", "all_reduce_sum", "compile_model", "cpu_has_fast_bf16", "eval_mode",
+           "make_scaler", "move", "move_batch", "resolve_device", "resolve_precision", "seed_everything",
+           "set_cpu_kernel_cache", "setup", "teardown", "unwrap", "wrap_ddp"]
