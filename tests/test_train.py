@@ -1,4 +1,5 @@
 import functools
+import gzip
 import json
 import os
 import signal
@@ -319,6 +320,19 @@ def test_a_resumed_run_profiles_the_steps_after_its_resume(tiny_data, tmp_path):
     figures = json.loads((run / "profile.json").read_text())
     assert figures["steps"] == 2 and figures["wall_ms"] > 0 and figures["host_reads"] >= 0
     assert "aten::" in (run / "profile.txt").read_text()
+
+
+def test_profile_after_moves_the_profiled_window(tiny_data, tmp_path):
+    """train.profile_after: the steps of the process before the warm-up step and the profiled ones, so a profile can
+    see a run past its first shapes: 5 steps, a warm-up, then steps 7-8 in the trace."""
+    run = tmp_path / "run"
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=9", "train.profile_steps=2", "train.profile_after=5"))
+    trace = next((run / "tb" / "tiny" / "profile").glob("*.json*"))
+    opened = gzip.open(trace, "rt") if trace.suffix == ".gz" else trace.open()
+    with opened as f:
+        names = {e["name"] for e in json.load(f)["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert names == {"ProfilerStep#6", "ProfilerStep#7"}, names  # torch numbers steps from 0: the 7th and 8th
+    assert json.loads((run / "profile.json").read_text())["steps"] == 2
 
 
 @pytest.mark.slow

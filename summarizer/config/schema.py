@@ -167,6 +167,7 @@ class TrainConfig:
     keep_last: int = key(2, above=0, resume=True)
     peak_flops: float = key(0.0, low=0, resume=True)  # FLOP/s per device that MFU is measured against; 0 = look up
     profile_steps: int = key(0, low=0, resume=True)  # >0: torch.profiler trace of this many steps
+    profile_after: int = key(1, above=0, resume=True)  # steps of the process before them (and one warm-up step)
     sample_summaries: int = key(3, low=0, resume=True)  # text samples logged to TensorBoard at each eval
 
 

@@ -268,18 +268,19 @@ class Window:
 
 
 class Profiler:
-    """torch.profiler over `steps` steps (after 1 wait + 1 warm-up step): a trace TensorBoard and Perfetto open, an
-    operator table in <run_dir>/profile.txt, and in <run_dir>/profile.json what a step costs (runtime/profiling.py:
-    wall and operator time, kernel launches, values read back, the GPU's busy time)."""
+    """torch.profiler over `steps` steps, after `wait` steps of the process and 1 warm-up step: a trace TensorBoard
+    and Perfetto open, an operator table in <run_dir>/profile.txt, and in <run_dir>/profile.json what a step costs
+    (runtime/profiling.py: wall and operator time, kernel launches, values read back, the GPU's busy time)."""
 
-    def __init__(self, steps: int, trace_dir: Path, table_path: Path, cuda: bool):
+    def __init__(self, steps: int, trace_dir: Path, table_path: Path, cuda: bool, wait: int = 1):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.steps, self.seen, self.table_path, self.cuda = steps, 0, table_path, cuda
+        self.first, self.last = wait + 1, wait + 1 + steps  # steps seen when the window opens and closes
         self.prof = torch.profiler.profile(
             activities=activities, record_shapes=True, profile_memory=True,
-            schedule=torch.profiler.schedule(wait=1, warmup=1, active=steps, repeat=1),
+            schedule=torch.profiler.schedule(wait=wait, warmup=1, active=steps, repeat=1),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir)))
         self.prof.start()
         self.active_from = 0.0
@@ -290,14 +291,14 @@ class Profiler:
         if self.done:
             return
         self.seen += 1
-        edge = self.seen in (2, self.steps + 2)
+        edge = self.seen in (self.first, self.last)
         if edge and self.cuda:  # the window starts and ends with the GPU idle (no wait inside: that is measured)
             torch.cuda.synchronize()
-        if self.seen == 2:
+        if self.seen == self.first:
             self.active_from = time.perf_counter()
         wall = time.perf_counter() - self.active_from
         self.prof.step()
-        if self.seen == self.steps + 2:
+        if self.seen == self.last:
             self.prof.stop()
             averages = self.prof.key_averages()
             sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
