@@ -93,6 +93,28 @@ def test_pad_multiple_rounds_shapes_and_keeps_the_budget():
         assert batch["n_tgt"] == int(ds.tgt_lens[b].sum())  # real tokens only
 
 
+def test_pad_rows_gives_each_pair_of_lengths_one_shape_and_adds_no_tokens():
+    """data.pad_rows: empty rows fill a batch to the budget at its padded lengths, so an epoch has one shape per pair
+    of lengths (fewer than its batches' shapes as cut); an empty row is a lone EOS source and a target of PAD."""
+    ds = make_dataset(n=2000)
+    sampler = TokenBatchSampler(ds.src_lens, ds.tgt_lens, 400, seed=0, pad_multiple=8)
+    shapes, cut = {}, set()
+    for b in sampler:
+        batch = collate([ds[i] for i in b], pad_multiple=8, fill_tokens=400)
+        rows, s = batch["src_ids"].shape
+        t = batch["tgt_in"].shape[1]
+        assert shapes.setdefault((s, t), rows) == rows == 400 // (s + t) >= len(b)
+        cut.add((len(b), s, t))
+        assert batch["n_src"] == int(ds.src_lens[b].sum()) and batch["n_tgt"] == int(ds.tgt_lens[b].sum())
+        empty = slice(len(b), None)
+        assert (batch["src_ids"][empty, 0] == EOS).all() and (batch["src_ids"][empty, 1:] == PAD).all()
+        assert (batch["tgt_in"][empty, 0] == BOS).all() and (batch["tgt_in"][empty, 1:] == PAD).all()
+        assert (batch["tgt_out"][empty] == PAD).all()
+    assert len(shapes) < len(cut)
+    long_pair = [(np.arange(4, 60, dtype=np.uint16), np.arange(4, 30, dtype=np.uint16))]
+    assert collate(long_pair, pad_multiple=8, fill_tokens=40)["src_ids"].shape == (1, 56)  # over budget: as it is
+
+
 def test_source_weights_draw_each_pair_its_weight_an_epoch_on_average_and_replay_exactly():
     ds = make_dataset(n=400)
     weights = np.where(np.arange(400) < 100, 2.0, np.where(np.arange(400) < 200, 0.5, 1.0))  # up, down, as is

@@ -24,10 +24,11 @@ def test_forward_count_matches_flop_counter_mode(copy, b, s, t):
 
 def test_padding_is_computed_but_is_not_model_work():
     cfg = ModelConfig(d_model=32, n_heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=64)
-    src = torch.tensor([[5, 6, 7, 8], [5, 6, 0, 0]])
-    tgt = torch.tensor([[2, 5, 6], [2, 5, 0]])
-    real, padded = batch_flops(cfg, 50, {"src_ids": src, "tgt_in": tgt})
-    assert real == 3 * forward_flops(cfg, 50, [4, 2], [3, 2]) and padded == 3 * forward_flops(cfg, 50, [4, 4], [3, 3])
+    src = torch.tensor([[5, 6, 7, 8], [5, 6, 0, 0], [3, 0, 0, 0]])  # the last row empty (data.pad_rows)
+    tgt = torch.tensor([[2, 5, 6], [2, 5, 0], [2, 0, 0]])
+    tgt_out = torch.tensor([[5, 6, 3], [5, 3, 0], [0, 0, 0]])
+    real, padded = batch_flops(cfg, 50, {"src_ids": src, "tgt_in": tgt, "tgt_out": tgt_out})
+    assert real == 3 * forward_flops(cfg, 50, [4, 2], [3, 2]) and padded == 3 * forward_flops(cfg, 50, [4] * 3, [3] * 3)
     assert 0 < real < padded
 
 

@@ -52,7 +52,7 @@ def _setup(tiny_data, *extra):
 
 def test_the_probe_batches_span_the_first_epoch_from_its_shortest_to_its_longest(tiny_data):
     cfg, ds, sampler, _ = _setup(tiny_data)
-    batches = precision.probe_batches(ds, sampler, cfg.data.pad_multiple)
+    batches = precision.probe_batches(ds, sampler, cfg.data)
     lengths = [b["src_ids"].shape[1] + b["tgt_in"].shape[1] for b in batches]
     padded = lambda n: -(-n // cfg.data.pad_multiple) * cfg.data.pad_multiple  # noqa: E731
     every = [padded(int(ds.src_lens[b].max())) + padded(int(ds.tgt_lens[b].max())) for b in sampler.plan(0)]
@@ -65,7 +65,7 @@ def test_the_probe_times_both_precisions_and_leaves_weights_gradients_and_random
     cfg, ds, sampler, model = _setup(tiny_data)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     random_state = torch.get_rng_state()
-    seconds = precision.measure(model, precision.probe_batches(ds, sampler, cfg.data.pad_multiple),
+    seconds = precision.measure(model, precision.probe_batches(ds, sampler, cfg.data),
                                 ("fp32", "bf16"), Runtime(CPU, CPU, "fp32"), cfg.train)
     assert set(seconds) == {"fp32", "bf16"} and all(0 < s < float("inf") for s in seconds.values())
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
@@ -84,7 +84,7 @@ def test_a_precision_that_runs_out_of_memory_loses(tiny_data, monkeypatch):
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(Seq2Seq, "forward", bf16_out_of_memory)
-    seconds = precision.measure(model, precision.probe_batches(ds, sampler, cfg.data.pad_multiple),
+    seconds = precision.measure(model, precision.probe_batches(ds, sampler, cfg.data),
                                 ("fp32", "bf16"), Runtime(CPU, CPU, "fp32"), cfg.train)
     assert seconds["bf16"] == float("inf") and seconds["fp32"] < float("inf")
     assert precision.pick(seconds) == "fp32"
@@ -165,7 +165,7 @@ def test_on_a_gpu_the_probe_times_fp32_against_16_bit_and_leaves_the_gpus_random
     device = torch.device("cuda", 0)
     rt = Runtime(device, device, runtime.resolve_precision("auto", device))
     model, cuda_random = model.to(device), torch.cuda.get_rng_state(device)
-    probe = precision.choose(model, ds, sampler, cfg.data.pad_multiple, rt, cfg.train)
+    probe = precision.choose(model, ds, sampler, cfg.data, rt, cfg.train)
     assert probe["precision"] in precision.candidates("auto", rt) and probe["device"] == torch.cuda.get_device_name(0)
     assert set(probe["ms"]) == {"fp32", rt.precision} and all(ms > 0 for ms in probe["ms"].values())
     assert torch.equal(torch.cuda.get_rng_state(device), cuda_random)
@@ -186,7 +186,7 @@ def _rank_chooses(rank: int, world: int, init_file: str, data_dir: str, out_dir:
         ds = PairDataset.from_dir(data_dir, "train", cfg.data)
         sampler = TokenBatchSampler(ds.src_lens, ds.tgt_lens, cfg.data.batch_tokens, rank=rank, world_size=world)
         model = Seq2Seq(cfg.model, read_meta(data_dir)["vocab_size"])
-        probe = precision.choose(model, ds, sampler, 1, Runtime(CPU, CPU, "bf16", rank, world), cfg.train)
+        probe = precision.choose(model, ds, sampler, cfg.data, Runtime(CPU, CPU, "bf16", rank, world), cfg.train)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(probe))
     finally:
         dist.destroy_process_group()

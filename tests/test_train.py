@@ -54,6 +54,30 @@ def test_accumulated_micro_batches_equal_one_big_batch(tiny_data):
     assert torch.allclose(params[0], params[1], atol=1e-6)
 
 
+@pytest.mark.parametrize("copy", [False, True])
+def test_empty_rows_change_neither_the_loss_nor_the_update(tiny_data, copy):
+    """data.pad_rows' empty rows (a lone EOS source, a PAD target) add nothing to the loss and so nothing to any
+    gradient: a step over a filled batch updates the weights as one over the pairs alone (plain and copy models)."""
+    cfg = make_cfg(tiny_data, "unused", "model.dropout=0.0", "train.precision=fp32", "train.clip_norm=0",
+                   f"model.copy={str(copy).lower()}")
+    rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
+    ds = PairDataset.from_dir(tiny_data, "train", cfg.data)
+    pairs = [ds[i] for i in range(6)]
+    params, losses = [], []
+    for fill in (0, 4000):
+        batch = collate(pairs, pad_multiple=4, fill_tokens=fill)
+        assert (batch["src_ids"].shape[0] > len(pairs)) == bool(fill)
+        torch.manual_seed(0)
+        model = Seq2Seq(cfg.model, 192)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        out = train_mod.train_step(model, optimizer, runtime.make_scaler(rt), [move_batch(batch, rt.device)], rt,
+                                   cfg.train)
+        losses.append(out["loss_sum"].item())
+        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert torch.allclose(params[0], params[1], atol=1e-6)
+
+
 def test_clipping_bounds_the_update_and_logs_the_raw_norm(tiny_data):
     cfg = make_cfg(tiny_data, "unused", "model.dropout=0.0", "train.precision=fp32", "train.clip_norm=0.01")
     rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)

@@ -65,6 +65,10 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
         "pad_multiple": (f"lengths padded to multiples of {padded} vs unpadded, in the second epoch", "tokens/s",
                          "higher", lambda: second_epoch_rates(variant(cfg, ("data", "pad_multiple", padded)),
                                                               variant(cfg, ("data", "pad_multiple", 1)))),
+        "pad_rows": (f"batches filled with empty rows to the budget (a shape per pair of lengths) vs as cut, {best}, "
+                     "first epoch (new shapes)", "tokens/s", "higher", pair(
+                         t(("data", "pad_rows", True), ("train", "precision", best)),
+                         t(("data", "pad_rows", False), ("train", "precision", best)))),
         "decode_greedy": ("greedy decoding: today's decoder (default eval.quantize) vs that of commit 9415323 (fp32), "
                           "word rules off on both", "sentences/s",
                           "higher", lambda: decode_row(cfg, 1, "v1")),

@@ -65,7 +65,7 @@ class TrainingProbe:
         sampler = FixedSizeSampler(len(ds), max(1, round(len(ds) / len(bucketed.plan(0)))), cfg.train.seed) \
             if fixed_batches else bucketed
         if precision.candidates(cfg.train.precision, self.rt):  # auto on a GPU: what `make train` would choose
-            self.rt.precision = precision.choose(model, ds, bucketed, cfg.data.pad_multiple, self.rt,
+            self.rt.precision = precision.choose(model, ds, bucketed, cfg.data, self.rt,
                                                  cfg.train)["precision"]
             self.scaler = runtime.make_scaler(self.rt)
         first_epoch = sampler.plan(0)

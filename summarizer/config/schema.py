@@ -103,6 +103,7 @@ class DataConfig:
     batch_tokens: int = key(3000, above=0)  # token budget per micro-batch (padded source + target)
     bucket_size: int = key(1000, above=0)  # batches per length-sorted pool; larger = less padding, less randomness
     pad_multiple: int = key(4, above=0)  # pad batch lengths to a multiple of this: fewer shapes for kernel caches
+    pad_rows: bool = True  # empty rows fill each batch to batch_tokens at its lengths: a shape per pair of lengths
     num_workers: int = key(2, low=0, resume=True)
     pin_memory: bool = key(True, resume=True)  # only has an effect on CUDA
     persistent_workers: bool = key(True, resume=True)

@@ -139,15 +139,24 @@ def round_up(n, multiple: int):
     return -(-n // multiple) * multiple
 
 
-def collate(pairs: list[tuple[np.ndarray, np.ndarray]], pad_multiple: int = 1) -> dict:
+def collate(pairs: list[tuple[np.ndarray, np.ndarray]], pad_multiple: int = 1, fill_tokens: int = 0) -> dict:
     """Pad to the longest pair (rounded up to `pad_multiple`): src_ids (B, S); tgt_in = BOS + y and
-    tgt_out = y + EOS, both (B, T)."""
+    tgt_out = y + EOS, both (B, T).
+
+    With `fill_tokens` (data.batch_tokens, under data.pad_rows), empty rows follow the pairs up to the rows that
+    many tokens hold at these lengths, B = fill_tokens // (S + T), so a batch's shape follows from its padded
+    lengths alone: an epoch has as many batch shapes as pairs of lengths, each one new shape for every kernel
+    cache (oneDNN's on a CPU, cuBLAS's plans on a GPU: milliseconds each in bf16) and compiled graph. An empty
+    row's source is one EOS (cross-attention needs a key) and its target output PAD only: no loss, no gradient.
+    Token counts are the pairs' alone."""
     n = len(pairs)
     s_max = round_up(max(len(s) for s, _ in pairs), pad_multiple)
     t_max = round_up(max(len(t) for _, t in pairs) + 1, pad_multiple)
-    src = np.full((n, s_max), PAD, dtype=np.int64)
-    tgt_in = np.full((n, t_max), PAD, dtype=np.int64)
-    tgt_out = np.full((n, t_max), PAD, dtype=np.int64)
+    rows = max(n, fill_tokens // (s_max + t_max))
+    src = np.full((rows, s_max), PAD, dtype=np.int64)
+    tgt_in = np.full((rows, t_max), PAD, dtype=np.int64)
+    tgt_out = np.full((rows, t_max), PAD, dtype=np.int64)
+    src[n:, 0], tgt_in[n:, 0] = EOS, BOS
     n_src = n_tgt = 0
     for row, (s, t) in enumerate(pairs):
         src[row, :len(s)] = s
@@ -266,12 +275,17 @@ class TokenBatchSampler(Sampler[list[int]]):
         return len(self.plan(self.epoch)) - self.start
 
 
+def batch_collate(cfg: DataConfig):
+    """`collate` as data.pad_multiple and data.pad_rows ask: what every training and validation batch goes through."""
+    return functools.partial(collate, pad_multiple=cfg.pad_multiple, fill_tokens=cfg.batch_tokens if cfg.pad_rows else 0)
+
+
 def make_loader(dataset: PairDataset, sampler: TokenBatchSampler, cfg: DataConfig,
                 device: torch.device, seed: int) -> DataLoader:
     workers = cfg.num_workers
     extra = {"persistent_workers": cfg.persistent_workers, "prefetch_factor": cfg.prefetch_factor} if workers else {}
     return SignalSafeLoader(
-        dataset, batch_sampler=sampler, collate_fn=functools.partial(collate, pad_multiple=cfg.pad_multiple),
+        dataset, batch_sampler=sampler, collate_fn=batch_collate(cfg),
         num_workers=workers,
         # Page-locked host buffers make host->GPU copies faster and allow them to be asynchronous.
         pin_memory=cfg.pin_memory and device.type == "cuda",

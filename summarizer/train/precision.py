@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from summarizer import runtime
-from summarizer.config.schema import TrainConfig
-from summarizer.data.batches import EpochBatch, PairDataset, TokenBatchSampler, collate
+from summarizer.config.schema import DataConfig, TrainConfig
+from summarizer.data.batches import EpochBatch, PairDataset, TokenBatchSampler, batch_collate
 from summarizer.runtime import Runtime, move_batch
 from summarizer.train.losses import smoothed_nll
 
@@ -45,14 +45,14 @@ def recorded(progress: dict, requested: str, rt: Runtime) -> str | None:
     return probe["precision"] if probe["precision"] in candidates(requested, rt) else None
 
 
-def probe_batches(dataset: PairDataset, sampler: TokenBatchSampler, pad_multiple: int,
+def probe_batches(dataset: PairDataset, sampler: TokenBatchSampler, data: DataConfig,
                   count: int = BATCHES) -> list[dict]:
     """`count` batches of this rank's first epoch, spread from its shortest padded length to its longest."""
     plan = sampler.plan(0)
     length = lambda batch: int(dataset.src_lens[batch].max() + dataset.tgt_lens[batch].max())  # noqa: E731
     ordered = sorted(plan, key=length)
     picks = sorted({round(i * (len(ordered) - 1) / max(count - 1, 1)) for i in range(count)})
-    return [collate(dataset.__getitems__(EpochBatch(ordered[i], 0)), pad_multiple) for i in picks]
+    return [batch_collate(data)(dataset.__getitems__(EpochBatch(ordered[i], 0))) for i in picks]
 
 
 def measure(model: nn.Module, batches: list[dict], precisions: tuple[str, ...], rt: Runtime,
@@ -101,11 +101,11 @@ def pick(seconds: dict[str, float]) -> str:
     return half if seconds[half] <= seconds["fp32"] * (1 + TIE) else "fp32"
 
 
-def choose(model: nn.Module, dataset: PairDataset, sampler: TokenBatchSampler, pad_multiple: int, rt: Runtime,
+def choose(model: nn.Module, dataset: PairDataset, sampler: TokenBatchSampler, data: DataConfig, rt: Runtime,
            cfg: TrainConfig) -> dict:
     """Probe the precisions `candidates` names and agree on rank 0's choice: what `recorded` reads back."""
     precisions = candidates("auto", rt)
-    seconds = measure(runtime.unwrap(model), probe_batches(dataset, sampler, pad_multiple), precisions, rt, cfg)
+    seconds = measure(runtime.unwrap(model), probe_batches(dataset, sampler, data), precisions, rt, cfg)
     choice = pick(seconds)
     if rt.distributed:  # every rank must train in one precision: rank 0's
         index = torch.tensor(float(precisions.index(choice) if rt.is_main else 0), device=rt.device)

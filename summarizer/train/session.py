@@ -225,7 +225,7 @@ def open_session(cfg: Config) -> Session:
                                 weights=source_weights(cfg.data, meta, len(train_ds)))
     probed = None
     if precision.candidates(cfg.train.precision, rt) and kept is None:
-        probed = progress["precision_probe"] = precision.choose(model, train_ds, sampler, cfg.data.pad_multiple,
+        probed = progress["precision_probe"] = precision.choose(model, train_ds, sampler, cfg.data,
                                                                 rt, cfg.train)
         if probed["precision"] != rt.precision:
             rt.precision, scaler = probed["precision"], runtime.make_scaler(rt)

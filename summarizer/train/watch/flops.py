@@ -46,7 +46,9 @@ def batch_flops(cfg: ModelConfig, vocab_size: int, batch: dict) -> tuple[int, in
     """(model FLOPs of the batch's real tokens, FLOPs computed on its padded shape) for one training step's
     forward and backward: their ratio is the share of compute spent on padding."""
     src, tgt = batch["src_ids"], batch["tgt_in"]
-    real = forward_flops(cfg, vocab_size, (src != 0).sum(1).tolist(), (tgt != 0).sum(1).clamp(min=1).tolist())
+    pairs = (batch["tgt_out"] != 0).any(1)  # data.pad_rows' empty rows have no target: no model work
+    real = forward_flops(cfg, vocab_size, (src[pairs] != 0).sum(1).tolist(),
+                         (tgt[pairs] != 0).sum(1).clamp(min=1).tolist())
     b, s_pad, t_pad = src.shape[0], src.shape[1], tgt.shape[1]
     padded = forward_flops(cfg, vocab_size, [s_pad] * b, [t_pad] * b)
     return TRAINING_FACTOR * real, TRAINING_FACTOR * padded
