@@ -278,7 +278,8 @@ class TokenBatchSampler(Sampler[list[int]]):
 def batch_collate(cfg: DataConfig):
     """`collate` as data.pad_multiple and data.pad_rows ask: what every training and validation batch goes
     through."""
-    return functools.partial(collate, pad_multiple=cfg.pad_multiple, fill_tokens=cfg.batch_tokens if cfg.pad_rows else 0)
+    fill = cfg.batch_tokens if cfg.pad_rows else 0
+    return functools.partial(collate, pad_multiple=cfg.pad_multiple, fill_tokens=fill)
 
 
 def make_loader(dataset: PairDataset, sampler: TokenBatchSampler, cfg: DataConfig,
