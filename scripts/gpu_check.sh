@@ -13,6 +13,7 @@
 # GPU_CHECK_CONFIG (configs/base.yaml; configs/tiny.yaml on a CPU), GPU_CHECK_SECONDS (450: parts are
 # skipped once it is spent), GPU_CHECK_PARTS ("1 2 3 4 5 6": the parts to run; 3 and 6 decode part 1's fp32 run),
 # GPU_CHECK_PRECISIONS ("fp32 bf16 fp16 auto": part 1's runs),
+# GPU_CHECK_GW_RUNS ("bf16 fp32 bf16_compile bf16_graphs": part 5's runs; also fp32_compile, fp32_graphs),
 # GPU_CHECK_GW_MINUTES (0.6 per eager run, three times that compiled), GPU_CHECK_GW_PAIRS (100000),
 # GPU_CHECK_GW_DATA (part 5's synthetic pairs already prepared with configs/gigaword.yaml, for a machine without the
 # `datasets` package data_prep needs).
@@ -106,9 +107,10 @@ else
   skip 3 eval "no checkpoint: part 1's fp32 run did not finish (failed, or not run)"
 fi
 
-# 5. gigaword.yaml's model (60M parameters, 16k-token batches, 32k vocabulary) on synthetic pairs: bf16 and fp32,
-# eager and compiled (torch.compile: three times the minutes, its one compilation inside them; the report's figures
-# are the last third of each run's steps).
+# 5. gigaword.yaml's model (60M parameters, 16k-token batches, 32k vocabulary) on synthetic pairs (GPU_CHECK_GW_RUNS):
+# bf16 and fp32 eager, bf16 compiled (<precision>_compile) and compiled with CUDA graphs (<precision>_graphs:
+# train.compile_mode=reduce-overhead). A compiled run gets three times the minutes, its one compilation inside them;
+# the report's figures are the last third of each run's steps.
 SYN=${GPU_CHECK_GW_DATA:-$OUT/synthetic/data}
 GW=("$PY" -m summarizer train --config configs/gigaword.yaml "data.dir=$SYN" "run.tensorboard_dir=$OUT/tb"
     train.sample_summaries=0)  # no text samples: synthetic pairs have no words to read
@@ -118,11 +120,12 @@ if [ "$DEV" = cuda ]; then
         --pairs "${GPU_CHECK_GW_PAIRS:-100000}" &&
       step 5 "prep 32k vocabulary" 150 "$PY" -m data_prep --config configs/gigaword.yaml \
         "data.source=$OUT/synthetic/pairs" "data.dir=$SYN"; }; } &&
-    for v in bf16 fp32 bf16_compile fp32_compile; do
-      compiled=$([[ "$v" = *_compile ]] && echo true || echo false)
+    for v in ${GPU_CHECK_GW_RUNS:-bf16 fp32 bf16_compile bf16_graphs}; do
+      case $v in *_compile) compiled=true mode=default ;; *_graphs) compiled=true mode=reduce-overhead ;;
+        *) compiled=false mode=default ;; esac
       minutes=$("$PY" -c "print(${GPU_CHECK_GW_MINUTES:-0.6} * $([ "$compiled" = true ] && echo 3 || echo 1))")
       step 5 "gigaword $v" 200 "${GW[@]}" "run.name=gc_gigaword_$v" "run.dir=$OUT/gigaword/$v" "train.precision=${v%%_*}" \
-        "train.compile=$compiled" "train.max_minutes=$minutes" \
+        "train.compile=$compiled" "train.compile_mode=$mode" "train.max_minutes=$minutes" \
         $(schedule 100000 50)
     done
 else

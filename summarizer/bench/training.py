@@ -55,7 +55,7 @@ class TrainingProbe:
         self.rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
         torch.manual_seed(cfg.train.seed)
         model, self.optimizer, self.scaler = build(cfg, self.rt, read_meta(cfg.data.dir))
-        self.model = runtime.compile_model(model) if cfg.train.compile else model
+        self.model = runtime.compile_model(model, cfg.train.compile_mode) if cfg.train.compile else model
         # What the loop adds to see inside a run: model FLOPs of every batch, per-module statistics when logged.
         self.stats = ModuleStats(model) if observe else None
         self.vocab_size = read_meta(cfg.data.dir)["vocab_size"] if observe else 0

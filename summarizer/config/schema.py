@@ -157,6 +157,10 @@ class TrainConfig:
     fused_optimizer: bool = key(True, resume=True)  # AdamW(fused=True): one kernel for all parameters (CPU and CUDA)
     fused_loss: bool = key(True, resume=True)  # one-pass vocabulary loss with an in-place backward (losses.VocabStats)
     compile: bool = key(False, resume=True)
+    # torch.compile's mode: reduce-overhead also replays CUDA graphs, one per batch shape (data.pad_rows keeps them
+    # few); on a CPU it compiles as default does
+    compile_mode: str = key("default", choices=("default", "reduce-overhead", "max-autotune",
+                                                "max-autotune-no-cudagraphs"), resume=True)
     log_every: int = key(50, above=0, resume=True)  # host syncs (.item()) happen only here
     module_stats: bool = key(True, resume=True)  # per-module gradient/update/weight norms, activation RMS
     eval_every: int = key(500, above=0, resume=True)

@@ -33,13 +33,13 @@ def wrap_ddp(model: nn.Module, rt: Runtime) -> nn.Module:
                broadcast_buffers=False)
 
 
-def compile_model(model: nn.Module) -> nn.Module:
-    """train.compile: the model under torch.compile with every batch dimension and length symbolic from the first
-    compile (dynamic=True). Length-bucketed batches change shape nearly every step; torch's default (dynamic=None)
-    compiles for the first batch's exact shape and again, dynamically, at the next shape (torch.compile docs,
-    "Dealing with Recompilations"). base.yaml's model with torch's dropout on the CPU, 8 batch shapes: 77.8 s and
-    6 graphs with the default, 31.5 s and one graph with this (docs/results.md, "On a GPU")."""
-    return torch.compile(model, dynamic=True)
+def compile_model(model: nn.Module, mode: str = "default") -> nn.Module:
+    """train.compile: the model under torch.compile (in train.compile_mode) with every batch dimension and length
+    symbolic from the first compile (dynamic=True). Length-bucketed batches change shape nearly every step; torch's
+    default (dynamic=None) compiles for the first batch's exact shape and again, dynamically, at the next shape
+    (torch.compile docs, "Dealing with Recompilations"). base.yaml's model with torch's dropout on the CPU, 8 batch
+    shapes: 77.8 s and 6 graphs with the default, 31.5 s and one graph with this (docs/results.md, "On a GPU")."""
+    return torch.compile(model, dynamic=True, mode=mode)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
