@@ -21,7 +21,11 @@ def _block_repeats(log_probs: Tensor, prefixes: Tensor, n: int) -> Tensor:
     # Every n-gram of each prefix as a row; the (n-1)-gram that ends the prefix picks the banned tokens.
     grams = prefixes.unfold(1, n, 1)  # (N, L-n+1, n)
     tail = prefixes[:, length - n + 1:]  # (N, n-1)
-    hits = (grams[:, :, :-1] == tail[:, None, :]).all(dim=-1)  # (N, L-n+1)
+    return _ban(log_probs, grams, (grams[:, :, :-1] == tail[:, None, :]).all(dim=-1))  # hits: (N, L-n+1)
+
+
+def _ban(log_probs: Tensor, grams: Tensor, hits: Tensor) -> Tensor:
+    """-inf on the last token of every n-gram in `grams` (N, G, n) that `hits` (N, G), in place."""
     # -inf where an n-gram repeats, +inf (no change under amin) where not: a token may be both in one row
     inf = torch.full(hits.shape, float("inf"), dtype=log_probs.dtype, device=log_probs.device)
     return log_probs.scatter_reduce_(1, grams[:, :, -1], torch.where(hits, -inf, inf), reduce="amin")
@@ -36,9 +40,7 @@ def _block_repeats_at(log_probs: Tensor, tokens: Tensor, length: Tensor, n: int)
     tail = tokens.gather(1, (length - n + 1 + torch.arange(n - 1, device=tokens.device)).clamp(min=0)
                          .expand(len(tokens), n - 1))  # (R, n-1) the prefix's last n-1 tokens
     inside = torch.arange(grams.shape[1], device=tokens.device) + n <= length  # (C-n+1,) grams within the prefix
-    hits = (grams[:, :, :-1] == tail[:, None, :]).all(dim=-1) & inside
-    inf = torch.full(hits.shape, float("inf"), dtype=log_probs.dtype, device=log_probs.device)
-    return log_probs.scatter_reduce_(1, grams[:, :, -1], torch.where(hits, -inf, inf), reduce="amin")
+    return _ban(log_probs, grams, (grams[:, :, :-1] == tail[:, None, :]).all(dim=-1) & inside)
 
 
 class Rules:
@@ -140,8 +142,7 @@ def finalise(finished: list, alive: list[int], prefixes: Tensor, top_scores: Ten
     """Move the EOS candidates ranked within the top K into their sentence's finished list (at most K); `alive`
     maps each of the batch's sentences (the rows of `top_scores`) to its input sentence. Three reads from the
     device when a candidate ends, one when none does."""
-    ranked = is_eos & (torch.arange(is_eos.shape[1], device=is_eos.device) < k)
-    rows, cols = ranked.nonzero(as_tuple=True)
+    rows, cols = ranked_ends(is_eos, k).nonzero(as_tuple=True)
     if rows.numel():
         keep_ended(finished, alive, rows, cols, prefixes, top_scores, parents, rules.cuts(parents[rows, cols]), k,
                    length_penalty)
@@ -157,6 +158,23 @@ def keep_ended(finished: list, alive: list[int], rows: Tensor, cols: Tensor, pre
         b = alive[row]
         if len(finished[b]) < k:
             finished[b].append((score / searched ** length_penalty, hyp))
+
+
+def top_candidates(log_probs: Tensor, scores: Tensor, width: int, k: int) -> tuple[Tensor, ...]:
+    """(n * width, V) next-token scores (added to in place) and each row's score so far (n, width) -> each
+    sentence's 2K best candidates: (scores, the rows they extend, their tokens, whether each ends in EOS), all
+    (n, 2K). At most K of them end, so K always continue."""
+    n, vocab = scores.shape[0], log_probs.shape[-1]
+    candidates = log_probs.add_(scores.view(-1, 1)).reshape(n, width * vocab)
+    top_scores, top_index = candidates.topk(2 * k, dim=-1)
+    token = top_index % vocab
+    parents = torch.arange(n, device=scores.device)[:, None] * width + top_index // vocab
+    return top_scores, parents, token, (token == EOS) & torch.isfinite(top_scores)
+
+
+def ranked_ends(is_eos: Tensor, k: int) -> Tensor:
+    """(n, 2K) -> the candidates that end in EOS and rank within the top K: those a sentence keeps."""
+    return is_eos & (torch.arange(is_eos.shape[1], device=is_eos.device) < k)
 
 
 def continuing(top_scores: Tensor, parents: Tensor, tokens: Tensor, is_eos: Tensor, k: int) -> tuple[Tensor, ...]:
@@ -182,12 +200,7 @@ def beam_step(log_probs: Tensor, scores: Tensor, width: int, k: int, prefixes: T
     """One beam step over n sentences of `width` rows each: scores extended, the EOS candidates ranked within the
     top K finalised (into `finished`), the K best others continued. (scores (n, K), parents (n * K,), tokens
     (n * K,), the prefixes they extend); the rules follow the rows."""
-    n, vocab = scores.shape[0], log_probs.shape[-1]
-    candidates = log_probs.add_(scores.view(-1, 1)).reshape(n, width * vocab)
-    top_scores, top_index = candidates.topk(2 * k, dim=-1)  # (n, 2K): at most K of them end in EOS
-    beam, token = top_index // vocab, top_index % vocab
-    is_eos = (token == EOS) & torch.isfinite(top_scores)
-    parents = torch.arange(n, device=scores.device)[:, None] * width + beam  # (n, 2K) the row each extends
+    top_scores, parents, token, is_eos = top_candidates(log_probs, scores, width, k)
     finalise(finished, alive, prefixes, top_scores, parents, is_eos, k, length_penalty, rules)
     scores, parents, tokens = continuing(top_scores, parents, token, is_eos, k)  # the K best non-EOS ones
     prefixes = torch.cat([prefixes[parents], tokens[:, None]], dim=1)

@@ -24,7 +24,15 @@ from torch import Tensor
 from summarizer.config.schema import EvalConfig
 from summarizer.data.tokenizer import BOS, EOS
 from summarizer.decode.lexicon import Lexicon
-from summarizer.decode.rules import Rules, best_tokens, continuing, ended_hypotheses, keep_ended
+from summarizer.decode.rules import (
+    Rules,
+    best_tokens,
+    continuing,
+    ended_hypotheses,
+    keep_ended,
+    ranked_ends,
+    top_candidates,
+)
 
 
 @functools.cache
@@ -136,15 +144,10 @@ class BeamStep(Replayed):
         self.cuts = torch.zeros(rows, dtype=torch.long, device=device)
 
     def _run(self) -> Tensor:
-        k, n = self.k, self.scores.shape[0]
+        k = self.k
         self.model.reorder(self.state, self.parents)
-        log_probs = self._log_probs()
-        vocab = log_probs.shape[-1]
-        top_scores, top_index = log_probs.add_(self.scores.view(-1, 1)).reshape(n, k * vocab).topk(2 * k, dim=-1)
-        token = top_index % vocab
-        is_eos = (token == EOS) & torch.isfinite(top_scores)
-        parents = torch.arange(n, device=self.device)[:, None] * k + top_index // vocab  # (n, 2K) the rows extended
-        self.ranked.copy_(is_eos & (torch.arange(2 * k, device=self.device) < k))
+        top_scores, parents, token, is_eos = top_candidates(self._log_probs(), self.scores, k, k)
+        self.ranked.copy_(ranked_ends(is_eos, k))
         self.top_scores.copy_(top_scores)
         self.top_parents.copy_(parents)
         self.before.copy_(self.prefixes)
