@@ -141,6 +141,10 @@ TRAIN_PROFILES = (("train_fp32", "train fp32, first steps"), ("train_bf16", "tra
                   ("gigaword_bf16", "gigaword.yaml bf16, steps after its first epoch's shapes"))
 STEP_FIGURES = (("wall_ms", "ms a step"), ("device_ms", "ms the GPU is busy a step"),
                 ("launches", "kernel launches a step"), ("host_reads", "values read back to the host a step"))
+DECODE_FIGURES = (("wall_s", "seconds"), ("host_reads_per_step", "values read back to the host a step"),
+                  ("device_syncs_per_step", "waits for the GPU a step (sync debug mode)"),
+                  ("launches_per_step", "kernel launches a step"),
+                  ("device_share", "share of the time the GPU is busy"))
 
 
 def profile_rows(out: Path) -> tuple[list[tuple], list[str]]:
@@ -154,15 +158,7 @@ def profile_rows(out: Path) -> tuple[list[tuple], list[str]]:
                 continue
             search = "greedy" if r["beam"] == 1 else f"beam {r['beam']}"
             label = f"decode {search}, {r['sentences']} sentences"
-            rows.append((PARTS[6], f"{label}: seconds", r["wall_s"], None))
-            rows.append((PARTS[6], f"{label}: values read back to the host a step", r["host_reads_per_step"], None))
-            if "device_syncs_per_step" in r:
-                rows.append((PARTS[6], f"{label}: waits for the GPU a step (sync debug mode)",
-                             r["device_syncs_per_step"], None))
-            if "launches_per_step" in r:
-                rows.append((PARTS[6], f"{label}: kernel launches a step", r["launches_per_step"], None))
-            if "device_share" in r:
-                rows.append((PARTS[6], f"{label}: share of the time the GPU is busy", r["device_share"], None))
+            rows += [(PARTS[6], f"{label}: {what}", r[key], None) for key, what in DECODE_FIGURES if key in r]
             notes.append(f"{PARTS[6]}, {label}: most time: " + ", ".join(
                 top_operators(out / "profile" / decode / "decode_profile.txt")))
     for name, label in TRAIN_PROFILES:
