@@ -10,6 +10,7 @@ import torch
 from summarizer import runtime
 from summarizer.__main__ import main
 from summarizer.config.load import load_config
+from summarizer.config.schema import TrainConfig
 from summarizer.data.batches import PairDataset, TokenBatchSampler
 from summarizer.data.prepared import read_meta
 from summarizer.model.transformer import Seq2Seq
@@ -131,7 +132,7 @@ def test_a_new_run_trains_in_the_probed_precision_and_keeps_it_on_resume(tiny_da
 
     _as_if_on_a_gpu(monkeypatch, "GPU B", by_rule, calls)  # another kind of GPU: measured again
     used, probe, err = _run(tiny_data, tmp_path / "run", 6, capsys)
-    assert used == by_rule and probe == {"precision": by_rule, "device": "GPU B", "ms": probe["ms"]}
+    assert used == by_rule and probe == {"precision": by_rule, "device": "GPU B", "compile": None, "ms": probe["ms"]}
     assert len(calls) == 2 and f"train.precision=auto: {by_rule} on GPU B" in err
 
 
@@ -147,16 +148,48 @@ def test_a_precision_set_by_hand_is_never_probed(tiny_data, tmp_path, monkeypatc
     assert "train.precision=auto" not in capsys.readouterr().err
 
 
-def test_a_probe_result_is_reused_only_for_its_own_kind_of_gpu(monkeypatch):
+def test_a_probe_result_is_reused_only_for_its_own_kind_of_gpu_and_model(monkeypatch):
     monkeypatch.setattr(precision, "device_name", lambda rt: "GPU A")
-    rt = Runtime(GPU, GPU, "bf16")
-    progress = {"precision_probe": {"precision": "fp32", "device": "GPU A", "ms": {}}}
-    assert precision.recorded(progress, "auto", rt) == "fp32"
-    assert precision.recorded(progress, "bf16", rt) is None  # set by hand: the setting wins
-    assert precision.recorded({}, "auto", rt) is None  # a run from before the probe: probed now
+    rt, auto = Runtime(GPU, GPU, "bf16"), TrainConfig(precision="auto")
+    progress = {"precision_probe": {"precision": "fp32", "device": "GPU A", "compile": None, "ms": {}}}
+    assert precision.recorded(progress, auto, rt) == "fp32"
+    assert precision.recorded(progress, TrainConfig(precision="bf16"), rt) is None  # set by hand: the setting wins
+    assert precision.recorded({}, auto, rt) is None  # a run from before the probe: probed now
     assert precision.recorded({**progress, "precision_probe": {**progress["precision_probe"], "device": "GPU B"}},
-                              "auto", rt) is None
-    assert precision.recorded(progress, "auto", Runtime(CPU, CPU, "bf16")) is None  # resumed on a CPU: the rule
+                              auto, rt) is None
+    assert precision.recorded(progress, auto, Runtime(CPU, CPU, "bf16")) is None  # resumed on a CPU: the rule
+    # an eager probe holds for an eager run only, a compiled one for its own mode; one without the key was eager
+    compiled = {"precision_probe": {**progress["precision_probe"], "compile": "default"}}
+    assert precision.recorded(progress, TrainConfig(compile=True), rt) is None
+    assert precision.recorded(compiled, TrainConfig(compile=True), rt) == "fp32"
+    assert precision.recorded(compiled, TrainConfig(compile=True, compile_mode="reduce-overhead"), rt) is None
+    assert precision.recorded(compiled, auto, rt) is None
+    older = {"precision_probe": {k: v for k, v in progress["precision_probe"].items() if k != "compile"}}
+    assert precision.recorded(older, auto, rt) == "fp32"
+
+
+def test_a_compiled_run_is_probed_compiled_and_trains_with_the_probes_graph(tiny_data, monkeypatch):
+    """With train.compile the probe times the model as the run will train it: compiled, once per precision (the
+    precision is a guard of the compiled code), and the run's own compile of that model reuses the graph of the
+    precision it trains in rather than compiling again."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch._dynamo.utils import counters
+    cfg, ds, sampler, model = _setup(tiny_data, "train.compile=true", "model.dropout=0")
+    monkeypatch.setattr(precision, "candidates", lambda requested, rt: ("fp32", "bf16"))
+    timed, measure = [], precision.measure
+    monkeypatch.setattr(precision, "measure", lambda m, *args: timed.append(m) or measure(m, *args))
+    torch._dynamo.reset()
+    counters.clear()
+    probe = precision.choose(model, ds, sampler, cfg.data, Runtime(CPU, CPU, "bf16"), cfg.train)
+    assert isinstance(timed[0], OptimizedModule) and runtime.unwrap(timed[0]) is model
+    assert probe["compile"] == "default" and set(probe["ms"]) == {"fp32", "bf16"}
+    assert "compiled (default)" in precision.describe(probe)
+    assert counters["stats"]["unique_graphs"] == 2  # one graph per precision, every batch shape included
+    batch = precision.probe_batches(ds, sampler, cfg.data)[0]
+    with Runtime(CPU, CPU, probe["precision"]).compute():
+        runtime.compile_model(model, cfg.train.compile_mode)(batch["src_ids"], batch["tgt_in"])
+    assert counters["stats"]["unique_graphs"] == 2
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

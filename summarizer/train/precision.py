@@ -1,12 +1,15 @@
 """`train.precision=auto` where no rule holds: on a GPU, fp32 (TF32) against 16 bit, timed on the run's own model
-and batch shapes before its first step.
+(compiled, with `train.compile`) and batch shapes before its first step.
 
 On a CPU a rule decides (runtime.resolve_precision: bf16 where the CPU has AVX-512 BF16 or AMX, else fp32). On a
 GPU the answer depends on the model: autocast adds casts and kernel launches to every step, which a large model's
-16-bit matmuls repay and a small one's may not (docs/practices.md, "precision"). So a new run on a GPU times
+16-bit matmuls repay and a small one's may not (docs/practices.md, "precision"); a compiled model fuses the casts
+into its kernels, so a compiled run is timed compiled, each precision compiled once (the run's own precision's
+graph is the one it trains with). So a new run on a GPU times
 forward and backward of a few of its first epoch's batches in both precisions and trains in the faster; 16 bit
 wins a tie (half the activation memory). The result is kept in the run's progress and reused on resume on the same
-kind of GPU, so a run never changes precision between its checkpoints on one machine."""
+kind of GPU and model (eager, or compiled in one mode), so a run never changes precision between its checkpoints on
+one machine."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,10 +40,17 @@ def device_name(rt: Runtime) -> str:
     return torch.cuda.get_device_name(rt.decoder_device) if rt.decoder_device.type == "cuda" else "cpu"
 
 
-def recorded(progress: dict, requested: str, rt: Runtime) -> str | None:
-    """A resumed run's precision from its probe, when this machine's device is the kind it was measured on."""
-    probe = progress.get("precision_probe")
-    if not candidates(requested, rt) or not probe or probe["device"] != device_name(rt):
+def compiled(cfg: TrainConfig) -> str | None:
+    """How the probe runs the model: None (eager), or torch.compile's mode."""
+    return cfg.compile_mode if cfg.compile else None
+
+
+def recorded(progress: dict, cfg: TrainConfig, rt: Runtime) -> str | None:
+    """A resumed run's precision from its probe, when this machine's device is the kind it was measured on and the
+    model runs as it did then (eager, or compiled in the same mode)."""
+    probe, requested = progress.get("precision_probe"), cfg.precision
+    if not candidates(requested, rt) or not probe or probe["device"] != device_name(rt) \
+            or probe.get("compile") != compiled(cfg):  # a probe without the key timed the eager model
         return None
     return probe["precision"] if probe["precision"] in candidates(requested, rt) else None
 
@@ -105,12 +115,15 @@ def choose(model: nn.Module, dataset: PairDataset, sampler: TokenBatchSampler, d
            cfg: TrainConfig) -> dict:
     """Probe the precisions `candidates` names and agree on rank 0's choice: what `recorded` reads back."""
     precisions = candidates("auto", rt)
-    seconds = measure(runtime.unwrap(model), probe_batches(dataset, sampler, data), precisions, rt, cfg)
+    timed = runtime.unwrap(model)  # without DDP: a rank's own steps, no gradients exchanged
+    if cfg.compile:  # as the run trains it; without DDP the run reuses the chosen precision's graph
+        timed = runtime.compile_model(timed, cfg.compile_mode)
+    seconds = measure(timed, probe_batches(dataset, sampler, data), precisions, rt, cfg)
     choice = pick(seconds)
     if rt.distributed:  # every rank must train in one precision: rank 0's
         index = torch.tensor(float(precisions.index(choice) if rt.is_main else 0), device=rt.device)
         choice = precisions[int(runtime.all_reduce_sum(index, rt))]
-    return {"precision": choice, "device": device_name(rt),
+    return {"precision": choice, "device": device_name(rt), "compile": compiled(cfg),
             "ms": {p: round(1000 * s, 1) if s != float("inf") else None for p, s in seconds.items()}}
 
 
@@ -120,5 +133,6 @@ def timings(probe: dict) -> str:
 
 
 def describe(probe: dict) -> str:
+    how = f", compiled ({probe['compile']})" if probe.get("compile") else ""
     return (f"train.precision=auto: {probe['precision']} on {probe['device']} (forward and backward of {BATCHES} "
-            f"first-epoch batches, twice: {timings(probe)}); set train.precision to choose")
+            f"first-epoch batches{how}, twice: {timings(probe)}); set train.precision to choose")

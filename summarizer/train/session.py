@@ -202,7 +202,7 @@ def open_session(cfg: Config) -> Session:
         lock = hold_lock(cfg.run_dir, "run.dir")  # held until the run's process ends: one run per run dir
         claim_events_dir(cfg.tensorboard_dir, cfg.run_dir)
     state, changes = resume_state(cfg, meta)
-    kept = precision.recorded(state["progress"], cfg.train.precision, rt) if state else None
+    kept = precision.recorded(state["progress"], cfg.train, rt) if state else None
     rt.precision = kept or rt.precision  # a resumed run keeps the precision its probe chose on this kind of GPU
     model, optimizer, scaler = build(cfg, rt, meta, state, init)
     ema = build_ema(model, cfg.train.ema_decay, state, cfg.train.max_steps)
