@@ -3,13 +3,12 @@
 
 On a CPU a rule decides (runtime.resolve_precision: bf16 where the CPU has AVX-512 BF16 or AMX, else fp32). On a
 GPU the answer depends on the model: autocast adds casts and kernel launches to every step, which a large model's
-16-bit matmuls repay and a small one's may not (docs/practices.md, "precision"); a compiled model fuses the casts
-into its kernels, so a compiled run is timed compiled, each precision compiled once (the run's own precision's
-graph is the one it trains with). So a new run on a GPU times
-forward and backward of a few of its first epoch's batches in both precisions and trains in the faster; 16 bit
-wins a tie (half the activation memory). The result is kept in the run's progress and reused on resume on the same
-kind of GPU and model (eager, or compiled in one mode), so a run never changes precision between its checkpoints on
-one machine."""
+16-bit matmuls repay and a small one's may not (docs/practices.md, "precision"), and a compiled model fuses the
+casts into its kernels. So a new run on a GPU times forward and backward of a few of its first epoch's batches in
+both precisions, with the model as it will train (compiled once per precision where it trains compiled; a run
+without DDP reuses the chosen graph), and trains in the faster; 16 bit wins a tie (half the activation memory).
+The result is kept in the run's progress and reused on resume on the same kind of GPU and model (eager, or compiled
+in one mode), so a run never changes precision between its checkpoints on one machine."""
 from __future__ import annotations
 
 import dataclasses
