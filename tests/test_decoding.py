@@ -292,11 +292,11 @@ def test_batches_decoded_in_parallel_give_the_same_outputs_in_input_order(model)
 
 
 def test_decoding_batches_are_sized_for_the_device():
-    """eval.batch_tokens=0: 16,384 padded source tokens x beam where a CPU decodes, 524,288 where a GPU does (a
+    """eval.batch_tokens=0: 16,384 padded source tokens x beam where a CPU decodes, 2,097,152 where a GPU does (a
     step costs its kernel launches there, whatever its rows); a set value is used as it is, on either."""
     from summarizer.decode.search import decode_batch_tokens
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    for encoder, decoder, expected in ((cpu, cpu, 16_384), (cuda, cuda, 524_288), (cuda, cpu, 524_288)):
+    for encoder, decoder, expected in ((cpu, cpu, 16_384), (cuda, cuda, 2_097_152), (cuda, cpu, 2_097_152)):
         rt = Runtime(encoder, decoder, "fp32")
         assert decode_batch_tokens(EvalConfig(), rt) == expected
         assert decode_batch_tokens(EvalConfig(batch_tokens=500), rt) == 500

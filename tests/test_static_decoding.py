@@ -13,6 +13,7 @@ from summarizer.decode.search import beam_search, decode_all, greedy, static_sha
 from summarizer.decode.static import Replayed, static_search
 from summarizer.model.attention import explicit_attention
 from summarizer.model.transformer import Seq2Seq
+from summarizer.runtime import Runtime
 from tests.decoding_models import padded, ragged_sources, settings, sharp_model, word_rules_model
 
 
@@ -53,9 +54,17 @@ def test_static_search_equals_the_eager_one_with_word_rules(tiny_prepared, beam,
         assert static_search(m, src, s, lex) == eager(m, src, s, lex)
 
 
-def test_static_shapes_are_used_only_where_asked_for():
-    """auto is the dynamic search: measured faster on a CPU and, at beam 4, on a GPU (docs/results.md)."""
-    assert [static_shapes(EvalConfig(shapes=v)) for v in ("auto", "static", "dynamic")] == [False, True, False]
+def test_auto_shapes_are_static_for_greedy_on_a_gpu_and_dynamic_otherwise():
+    """auto: static where a CUDA graph replays greedy's whole step (faster on an H100), dynamic for beam search
+    and on a CPU (docs/results.md); a set value holds on every device. Each branch, without a GPU: Runtime only
+    names the devices."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for encoder, decoder, beam, expected in ((cpu, cpu, 1, False), (cpu, cpu, 4, False), (cuda, cuda, 1, True),
+                                             (cuda, cuda, 4, False), (cpu, cuda, 1, True), (cuda, cpu, 1, False)):
+        rt = Runtime(encoder, decoder, "fp32")
+        assert static_shapes(EvalConfig(shapes="auto", beam_size=beam), rt) is expected, (encoder, decoder, beam)
+        assert [static_shapes(EvalConfig(shapes=v, beam_size=beam), rt) for v in ("static", "dynamic")] == \
+            [True, False]
 
 
 def test_decode_all_with_static_shapes_returns_the_same_outputs(model):

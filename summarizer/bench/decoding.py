@@ -153,7 +153,7 @@ def summarize_row(cfg: Config, cuda: bool = False) -> dict:
     """lines/s of `summarize` on raw text (normalise, tokenize, decode, detokenize, write) with the default
     decoding settings ("on") against the same with eval.quantize=none on a CPU ("off": float32 linear layers),
     with a CPU's batches on a GPU (where the default has no int8 layers to take away: eval.batch_tokens=16384
-    against its 524,288)."""
+    against its 2,097,152)."""
     from summarizer import summarize
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, checkpoint=str(weights(cfg))))
     unquantized = dataclasses.replace(cfg, eval=dataclasses.replace(

@@ -182,7 +182,7 @@ class EvalConfig:
     checkpoint: str = key("", bookkeeping=True)  # default: the run's best
     out_dir: str = key("", bookkeeping=True)  # default: the run dir
     beam_size: int = key(4, above=0)
-    # padded source tokens x beam_size per decoding batch (the decoder's rows); 0 = auto: 16,384 on a CPU, 524,288
+    # padded source tokens x beam_size per decoding batch (the decoder's rows); 0 = auto: 16,384 on a CPU, 2,097,152
     # on a GPU, where a step's time is kernel launches and a batch of thousands of rows costs what one of hundreds
     # does (a batch the GPU has no memory for is decoded in halves)
     batch_tokens: int = key(0, low=0)
@@ -190,7 +190,7 @@ class EvalConfig:
     precision: str = key("auto", choices=PRECISIONS)  # decoding: auto = fp32 (int8 layers on a CPU, TF32 on a GPU)
     quantize: str = key("auto", choices=("auto", "none", "int8"))  # auto: int8 where decoding runs on CPU in fp32
     # static: a fixed-size KV cache and every row kept to the batch's end, one shape for every step, which a GPU
-    # replays as a CUDA graph (summarizer/decode/static.py); auto = dynamic, measured faster on a CPU and a GPU
+    # replays as a CUDA graph (summarizer/decode/static.py); auto = static for greedy on a GPU, else dynamic (measured)
     shapes: str = key("auto", choices=("auto", "static", "dynamic"))
     max_len: int = key(30, above=0)  # target tokens
     min_len: int = key(8, low=0)  # tokens; headlines near the references' length: docs/results.md

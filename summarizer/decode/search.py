@@ -107,13 +107,15 @@ def beam_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon |
     return [max(f, key=lambda item: item[0])[1] if f else [] for f in finished]
 
 
-def static_shapes(settings: EvalConfig) -> bool:
-    """Whether batches decode with static shapes (summarizer/decode/static.py): only for `eval.shapes=static`.
-    `auto` is the dynamic search on every device measured: on a CPU finished sentences leaving the batch save
-    work. On a GPU (an H100) a graph of the decoder's step alone, its bookkeeping eager around it, ran beam 4 at
-    0.80x in the default batches (docs/results.md). The graph now covers the whole step (static.GreedyStep,
-    BeamStep); until a GPU has timed that, `auto` stays dynamic there too."""
-    return settings.shapes == "static"
+def static_shapes(settings: EvalConfig, rt: runtime.Runtime) -> bool:
+    """Whether batches decode with static shapes (summarizer/decode/static.py): `eval.shapes`, and for `auto`
+    greedy search where the decoder runs on a GPU. There the whole step replays as one CUDA graph: on an H100,
+    1.09-1.14x the dynamic search's sentences/s at every batch size tried, beam 4 0.68-0.80x (its finished
+    sentences leaving the batch save more than the launches cost). On a CPU nothing replays a graph and the
+    dynamic search is faster at both (docs/results.md)."""
+    if settings.shapes != "auto":
+        return settings.shapes == "static"
+    return settings.beam_size == 1 and rt.decoder_device.type == "cuda"
 
 
 def decode_batch(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon | None = None,
@@ -144,13 +146,13 @@ def decode_threads(settings: EvalConfig, rt: runtime.Runtime) -> int:
 
 
 def decode_batch_tokens(settings: EvalConfig, rt: runtime.Runtime) -> int:
-    """Padded source tokens x beam_size per batch: `eval.batch_tokens`, else 16,384 on CPU and 524,288 on a GPU,
-    where a step costs its kernel launches, whatever its rows: on an H100, 2,000 test_dev sentences decode 1.41x
-    (beam 4) and 1.37x (greedy) faster than in batches of 131,072 (docs/results.md). A batch the GPU has no
-    memory for is decoded in halves (`decode_all`)."""
+    """Padded source tokens x beam_size per batch: `eval.batch_tokens`, else 16,384 on CPU and 2,097,152 on a GPU,
+    where a step costs its kernel launches, whatever its rows: on an H100, 2,000 test_dev sentences (one batch)
+    decode 1.26x (beam 4) and 1.01x (greedy) the sentences/s of batches of 524,288 (docs/results.md). A batch
+    the GPU has no memory for is decoded in halves (`decode_all`)."""
     if settings.batch_tokens:
         return settings.batch_tokens
-    return 524_288 if "cuda" in (rt.device.type, rt.decoder_device.type) else 16_384
+    return 2_097_152 if "cuda" in (rt.device.type, rt.decoder_device.type) else 16_384
 
 
 @contextlib.contextmanager
@@ -184,7 +186,7 @@ def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt
     if lexicon is None and (settings.known_words or settings.no_repeat_words or settings.truncate_bytes):
         raise ValueError("eval.known_words, no_repeat_words and truncate_bytes need the run's lexicon")
     model = runtime.unwrap(model)
-    static = use_cache and static_shapes(settings)
+    static = use_cache and static_shapes(settings, rt)
     hyps: list = [None] * len(sources)
     # Each sentence is beam_size rows of the decoder: the budget counts its source tokens once per row.
     batches = length_batches([len(s) for s in sources], max(1, decode_batch_tokens(settings, rt) // settings.beam_size))

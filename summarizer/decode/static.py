@@ -9,9 +9,9 @@ What changes against `search.beam_search`, and only in how, not what, it compute
 rows from the first step (beams 1..K-1 start at score -inf, so the first step picks from beam 0 alone, as the
 widening search does); and a finished sentence keeps its rows to the end of the batch, its candidates ignored,
 instead of leaving it. The outputs are the dynamic search's in float32 (tests/test_static_decoding.py; int8
-layers scale activations per batch, and this batch keeps its finished rows). On a CPU, where nothing replays
-a graph and a finished sentence leaving the batch saves work, `eval.shapes=auto` keeps the dynamic search;
-`eval.shapes=static` runs this one there too.
+layers scale activations per batch, and this batch keeps its finished rows). `eval.shapes=auto` runs it for
+greedy search on a GPU; beam search there, and every search on a CPU, where nothing replays a graph, are faster
+dynamic: finished sentences leaving the batch save more work (`search.static_shapes`).
 """
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ def evaluate(cfg: Config) -> dict:
     report = score(cfg, meta, pairs, predictions)
     report["settings"] = settings(cfg, name, len(pairs), source, rt.precision)
     report["settings"].update(batch_tokens=decode_batch_tokens(cfg.eval, rt),
-                              shapes="static" if static_shapes(cfg.eval) else "dynamic")
+                              shapes="static" if static_shapes(cfg.eval, rt) else "dynamic")
     report["sentences_per_s"] = len(pairs) / seconds  # decoding alone, as other toolkits time it
     report["startup_s"] = started - begun  # data, checkpoint, quantizing, the word rules' lexicon, a GPU's warm-up
     # rouge.json names the predictions it scored: all three are written in full before any is replaced
