@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import subprocess
 from pathlib import Path
@@ -126,6 +127,20 @@ def run_rows(out: Path, part: int, folder: str, figures: tuple, base: dict) -> l
     return rows
 
 
+def compile_rows(out: Path) -> list[tuple]:
+    """Part 5's compiled runs, from their logs: the seconds the first step took (compiling) and the recompilations
+    torch printed; a run killed inside its first step gets the second row alone."""
+    rows = []
+    for log in sorted((out / "logs").glob("5-gigaword_*.log")):
+        text, name = log.read_text(errors="replace"), log.stem.removeprefix("5-gigaword_")
+        if "torch.compile (" not in text:
+            continue
+        if first := re.search(r"^step \d+: compiled and ran in ([\d.]+) s$", text, re.M):
+            rows.append((PARTS[5], f"{name}: first step, compiling (s)", float(first[1]), None))
+        rows.append((PARTS[5], f"{name}: recompilations", text.count("Recompiling function"), None))
+    return rows
+
+
 def top_operators(table: Path, n: int = 5) -> list[str]:
     """The first `n` operators of a torch.profiler table (key_averages().table(), sorted as it was written)."""
     lines = table.read_text().splitlines() if table.is_file() else []
@@ -180,7 +195,7 @@ def all_rows(out: Path) -> tuple[list[tuple], list[str]]:
                 ("peak_mb", "peak memory MiB"))
     rows = (trained + bench + eval_rows(out) + run_rows(out, 4, "placement", placement, one_device)
             + run_rows(out, 4, "ddp", placement, one_device)
-            + run_rows(out, 5, "gigaword", gigaword, run_summary(out / "gigaword" / "fp32") or {}))
+            + run_rows(out, 5, "gigaword", gigaword, run_summary(out / "gigaword" / "fp32") or {}) + compile_rows(out))
     profiled, profile_notes = profile_rows(out)
     rows += profiled
     notes += profile_notes

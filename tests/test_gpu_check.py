@@ -65,6 +65,13 @@ def test_report_rows_from_hand_written_runs(tmp_path):
     write_metrics(out / "gigaword" / "fp32", {50: 1000, 100: 2000, 150: 2000}, mfu=0.3, peak_memory_mb=8000)
     write_metrics(out / "gigaword" / "bf16", {50: 3000, 100: 5000, 150: 6000}, mfu=0.2, peak_memory_mb=5000)
     (out / "notes.txt").write_text("4|cuda:0 + cuda:1, DDP|skipped: needs two GPUs (this machine: 1)\n")
+    (out / "logs").mkdir()
+    recompiled = "V1127 [__recompiles] Recompiling function forward in transformer.py:278\n"
+    (out / "logs" / "5-gigaword_bf16_compile.log").write_text(
+        "torch.compile (default): the first step compiles the model\nstep 1: compiled and ran in 41.5 s\n"
+        + 2 * recompiled)
+    (out / "logs" / "5-gigaword_bf16_graphs.log").write_text("torch.compile (reduce-overhead): the first step\n")
+    (out / "logs" / "5-gigaword_bf16.log").write_text("step 50/100000 train loss 7.5883\n")
 
     rows, notes = report.all_rows(out)
 
@@ -101,6 +108,9 @@ def test_report_rows_from_hand_written_runs(tmp_path):
         ("5 gigaword.yaml", "fp32: tokens/s, steps 101-150", 2000, 1.0),
         ("5 gigaword.yaml", "fp32: MFU, steps 101-150", 0.3, None),
         ("5 gigaword.yaml", "fp32: peak memory MiB", 8000, 1.0),
+        ("5 gigaword.yaml", "bf16_compile: first step, compiling (s)", 41.5, None),
+        ("5 gigaword.yaml", "bf16_compile: recompilations", 2, None),
+        ("5 gigaword.yaml", "bf16_graphs: recompilations", 0, None),
     ]
     assert notes == ["1 train, train.precision=auto: bf16, by the probe's timings of forward and backward: fp32 "
                      "41.5 ms, bf16 30.0 ms",

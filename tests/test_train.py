@@ -2,6 +2,7 @@ import functools
 import gzip
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -158,15 +159,18 @@ def test_same_seed_same_losses_with_workers(tiny_data, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_a_compiled_model_trains_as_the_eager_one_does(tiny_data, tmp_path, mode):
+def test_a_compiled_model_trains_as_the_eager_one_does(tiny_data, tmp_path, mode, capsys):
     """train.compile: the same losses as eager, to float rounding (fp32, no dropout), and a checkpoint that eval's
-    plain model loads (the compiled wrapper's key prefix is not saved). reduce-overhead's CUDA graphs are a GPU's:
-    on a CPU it compiles as default does."""
+    plain model loads (the compiled wrapper's key prefix is not saved); the log says that the first step compiles
+    and how long it took. reduce-overhead's CUDA graphs are a GPU's: on a CPU it compiles as default does."""
     extra = ["train.max_steps=10", "train.precision=fp32", "model.dropout=0.0", "train.eval_every=10",
              "train.ckpt_every=10", "train.rouge_every=0", "train.select_by=loss"]
     train_mod.train(make_cfg(tiny_data, tmp_path / "eager", *extra))
     train_mod.train(make_cfg(tiny_data, tmp_path / "compiled", *extra, "train.compile=true",
                              f"train.compile_mode={mode}"))
+    said = capsys.readouterr().err
+    assert f"torch.compile ({mode}): the first step compiles the model" in said
+    assert re.search(r"^step 1: compiled and ran in \d+\.\d s$", said, re.M), said[-2000:]
     eager, compiled = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
     assert [s for s, _ in eager] == [s for s, _ in compiled]
     assert all(abs(a - b) <= 1e-3 * abs(a) for (_, a), (_, b) in zip(eager, compiled, strict=True)), (eager, compiled)

@@ -38,7 +38,10 @@ def compile_model(model: nn.Module, mode: str = "default") -> nn.Module:
     symbolic from the first compile (dynamic=True). Length-bucketed batches change shape nearly every step; torch's
     default (dynamic=None) compiles for the first batch's exact shape and again, dynamically, at the next shape
     (torch.compile docs, "Dealing with Recompilations"). base.yaml's model with torch's dropout on the CPU, 8 batch
-    shapes: 77.8 s and 6 graphs with the default, 31.5 s and one graph with this (docs/results.md, "On a GPU")."""
+    shapes: 77.8 s and 6 graphs with the default, 31.5 s and one graph with this (docs/results.md, "On a GPU").
+    A recompilation stalls training as long as the first compile did, so each one is printed with the guard that
+    failed (torch's `recompiles` log; the TORCH_LOGS variable, where set, takes precedence)."""
+    torch._logging.set_logs(recompiles=True)
     return torch.compile(model, dynamic=True, mode=mode)
 
 

@@ -85,6 +85,7 @@ class Loop:
     started: float  # perf_counter() at the run's step 0, resumed time included
     module_stats: ModuleStats | None = None  # train.module_stats: read on logged steps
     bad_in_row: int = 0
+    compiling: bool = False  # train.compile: this process's first step compiles the model, and says how long it took
 
 
 def start_loop(session: Session) -> Loop:
@@ -96,9 +97,12 @@ def start_loop(session: Session) -> Loop:
         if train_cfg.profile_steps > 0 and rt.is_main else None
     peak, origin = peak_flops(rt.device, rt.precision, train_cfg.peak_flops)
     session.monitor.write(f"peak for MFU: {peak / 1e12:.3g} TFLOP/s per device, {origin}")
+    if train_cfg.compile:
+        session.monitor.write(f"torch.compile ({train_cfg.compile_mode}): the first step compiles the model, for "
+                              f"minutes on a large model; a recompilation is printed with its cause")
     return Loop(StopFlag(), ChildSignals(), Window(rt, peak_flops=peak), profiler,
                 time.perf_counter() - session.progress["elapsed_s"],
-                ModuleStats(session.model) if train_cfg.module_stats else None)
+                ModuleStats(session.model) if train_cfg.module_stats else None, compiling=train_cfg.compile)
 
 
 def train(cfg: Config) -> dict:
@@ -149,12 +153,16 @@ def step_once(session: Session, fetched: list, data_s: float, loop: Loop) -> dic
     train_cfg, rt, progress = session.cfg.train, session.rt, session.progress
     micro = [move_batch(batch, rt.device) for batch, _, _ in fetched]
     _, epoch, position = fetched[-1]
+    started = time.perf_counter()
     try:
         logged = (progress["step"] + 1) % train_cfg.log_every == 0
         out = train_step(session.model, session.optimizer, session.scaler, micro, rt, train_cfg,
                          loop.module_stats if logged else None)
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise out_of_memory(exc, micro, session.cfg, rt, progress["step"]) from None
+    if loop.compiling:
+        loop.compiling = False
+        session.monitor.write(f"step {progress['step'] + 1}: compiled and ran in {time.perf_counter() - started:.1f} s")
     session.scheduler.step()
     if session.ema is not None:
         session.ema.update_parameters(runtime.unwrap(session.model))
