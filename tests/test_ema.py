@@ -90,3 +90,32 @@ def test_a_restored_average_goes_on_from_its_count(capsys):
     assert build_ema(model, 0.0, None, 1000) is None
     build_ema(model, 0.999, None, max_steps=100)
     assert "averages the weights over about 1000 steps, but this run has 100" in capsys.readouterr().err
+
+
+def test_an_update_walks_no_module_after_a_models_first_and_follows_replaced_tensors(monkeypatch):
+    """The lists an update takes are built at a model's first update (walking the modules costs a GPU step more
+    host time than the update's kernels). A parameter whose data is replaced (as Module.to does) and a buffer
+    assigned anew are still followed, bit for bit as AveragedModel does; another model gets lists of its own."""
+    model = _model()
+    model.register_buffer("table", torch.zeros(2))
+    ours, torchs = MovingAverage(model, D), AveragedModel(model, multi_avg_fn=_debiased(D))
+    ours.update_parameters(model)
+    torchs.update_parameters(model)
+
+    def walk(*args, **kwargs):
+        raise AssertionError("an update walked the modules")
+
+    with monkeypatch.context() as m:
+        for name in ("parameters", "named_parameters", "buffers", "named_buffers", "modules", "named_modules"):
+            m.setattr(torch.nn.Module, name, walk)
+        model[0].weight.data = model[0].weight.data + 1
+        model.table = torch.ones(2)
+        ours.update_parameters(model)
+    torchs.update_parameters(model)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), torchs.state_dict().values(),
+                                                 strict=True))
+    assert torch.equal(ours.module.table, torch.ones(2))
+    other = _model()
+    other.register_buffer("table", torch.full((2,), 5.0))
+    ours.update_parameters(other)
+    assert torch.equal(ours.module.table, other.table)
