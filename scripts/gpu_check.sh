@@ -7,14 +7,14 @@
 #   bash scripts/gpu_check.sh DATA_DIR         # DATA_DIR: prepared with configs/base.yaml
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_STEPS=20 bash scripts/gpu_check.sh DATA_DIR   # the same steps on a CPU, tiny
 # Every part does not fit 8 minutes on one GPU: on an H100 parts 1, 3 and 6 take 7.5. The rest in a second call
-# (part 5 takes about 6.5 minutes; part 2 gets what is left):
+# (part 5: about 2.5 minutes eager, and each compiled run its compilation besides; part 2 gets what is left):
 #   GPU_CHECK_PARTS="5 2" GPU_CHECK_SECONDS=480 OUT=gpu_check_out2 bash scripts/gpu_check.sh DATA_DIR
 # Environment: PYTHON, OUT (default gpu_check_out, must not hold an earlier check), GPU_CHECK_STEPS (300),
 # GPU_CHECK_CONFIG (configs/base.yaml; configs/tiny.yaml on a CPU), GPU_CHECK_SECONDS (450: parts are
 # skipped once it is spent), GPU_CHECK_PARTS ("1 2 3 4 5 6": the parts to run; 3 and 6 decode part 1's fp32 run),
 # GPU_CHECK_PRECISIONS ("fp32 bf16 fp16 auto": part 1's runs),
 # GPU_CHECK_GW_RUNS ("bf16 fp32 bf16_compile bf16_graphs": part 5's runs; also fp32_compile, fp32_graphs),
-# GPU_CHECK_GW_MINUTES (0.6 per eager run, three times that compiled), GPU_CHECK_GW_PAIRS (100000),
+# GPU_CHECK_GW_MINUTES (0.6 per eager run), GPU_CHECK_GW_STEPS (600 per compiled run), GPU_CHECK_GW_PAIRS (100000),
 # GPU_CHECK_GW_DATA (part 5's synthetic pairs already prepared with configs/gigaword.yaml, for a machine without the
 # `datasets` package data_prep needs).
 set -uo pipefail
@@ -110,9 +110,9 @@ fi
 
 # 5. gigaword.yaml's model (60M parameters, 16k-token batches, 32k vocabulary) on synthetic pairs (GPU_CHECK_GW_RUNS):
 # bf16 and fp32 eager, bf16 compiled (<precision>_compile) and compiled with CUDA graphs (<precision>_graphs:
-# train.compile_mode=reduce-overhead). A compiled run gets three times the minutes, its compilation inside them, and
-# up to 300 s (an eager one 200): its log says how long the first step compiled and what recompiled; the report's
-# figures are the last third of each run's steps.
+# train.compile_mode=reduce-overhead). An eager run trains for GPU_CHECK_GW_MINUTES (up to 200 s in all); a compiled
+# one for GPU_CHECK_GW_STEPS steps whatever its compilation takes (up to 300 s in all; its log says how long the first
+# step compiled and what recompiled). The report's figures are the last third of each run's steps.
 SYN=${GPU_CHECK_GW_DATA:-$OUT/synthetic/data}
 GW=("$PY" -m summarizer train --config configs/gigaword.yaml "data.dir=$SYN" "run.tensorboard_dir=$OUT/tb"
     train.sample_summaries=0)  # no text samples: synthetic pairs have no words to read
@@ -123,12 +123,12 @@ if [ "$DEV" = cuda ]; then
       step 5 "prep 32k vocabulary" 150 "$PY" -m data_prep --config configs/gigaword.yaml \
         "data.source=$OUT/synthetic/pairs" "data.dir=$SYN"; }; } &&
     for v in ${GPU_CHECK_GW_RUNS:-bf16 fp32 bf16_compile bf16_graphs}; do
-      case $v in *_compile) compiled=true mode=default limit=300 ;;
-        *_graphs) compiled=true mode=reduce-overhead limit=300 ;; *) compiled=false mode=default limit=200 ;; esac
-      minutes=$("$PY" -c "print(${GPU_CHECK_GW_MINUTES:-0.6} * $([ "$compiled" = true ] && echo 3 || echo 1))")
+      steps=${GPU_CHECK_GW_STEPS:-600} minutes=0 limit=300
+      case $v in *_compile) compiled=true mode=default ;; *_graphs) compiled=true mode=reduce-overhead ;;
+        *) compiled=false mode=default steps=100000 minutes=${GPU_CHECK_GW_MINUTES:-0.6} limit=200 ;; esac
       step 5 "gigaword $v" "$limit" "${GW[@]}" "run.name=gc_gigaword_$v" "run.dir=$OUT/gigaword/$v" "train.precision=${v%%_*}" \
         "train.compile=$compiled" "train.compile_mode=$mode" "train.max_minutes=$minutes" \
-        $(schedule 100000 50)
+        $(schedule "$steps" 50)
     done
 else
   skip 5 gigaword.yaml "a 60M-parameter model: GPU only"
