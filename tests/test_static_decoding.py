@@ -55,12 +55,13 @@ def test_static_search_equals_the_eager_one_with_word_rules(tiny_prepared, beam,
 
 
 def test_auto_shapes_are_static_for_greedy_on_a_gpu_and_dynamic_otherwise():
-    """auto: static where a CUDA graph replays greedy's whole step (faster on an H100), dynamic for beam search
-    and on a CPU (docs/results.md); a set value holds on every device. Each branch, without a GPU: Runtime only
-    names the devices."""
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    """auto: static where a CUDA graph replays greedy's whole step (faster on an H100), dynamic for beam search,
+    on a CPU and for a model split across devices (whose step is not captured: docs/results.md); a set value holds
+    on every device. Each branch, without a GPU: Runtime only names the devices."""
+    cpu, cuda, cuda1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
     for encoder, decoder, beam, expected in ((cpu, cpu, 1, False), (cpu, cpu, 4, False), (cuda, cuda, 1, True),
-                                             (cuda, cuda, 4, False), (cpu, cuda, 1, True), (cuda, cpu, 1, False)):
+                                             (cuda, cuda, 4, False), (cpu, cuda, 1, False), (cuda, cpu, 1, False),
+                                             (cuda, cuda1, 1, False)):
         rt = Runtime(encoder, decoder, "fp32")
         assert static_shapes(EvalConfig(shapes="auto", beam_size=beam), rt) is expected, (encoder, decoder, beam)
         assert [static_shapes(EvalConfig(shapes=v, beam_size=beam), rt) for v in ("static", "dynamic")] == \
