@@ -110,10 +110,9 @@ def beam_search(model, src_ids: Tensor, settings: EvalConfig, lexicon: Lexicon |
 def static_shapes(settings: EvalConfig, rt: runtime.Runtime) -> bool:
     """Whether batches decode with static shapes (summarizer/decode/static.py): `eval.shapes`, and for `auto`
     greedy search where the model runs on one GPU (split across devices, the step is not captured). There the
-    whole step replays as one CUDA graph: on an H100,
-    1.09-1.14x the dynamic search's sentences/s at every batch size tried, beam 4 0.68-0.80x (its finished
-    sentences leaving the batch save more than the launches cost). On a CPU nothing replays a graph and the
-    dynamic search is faster at both (docs/results.md)."""
+    whole step replays as one CUDA graph: on an H100, 1.09-1.14x the dynamic search's sentences/s at each batch
+    size tried, and beam 4 0.68-0.80x (its finished sentences leaving the batch save more than the launches
+    cost). On a CPU nothing replays a graph and the dynamic search is faster at both (docs/results.md)."""
     if settings.shapes != "auto":
         return settings.shapes == "static"
     return settings.beam_size == 1 and rt.device.type == "cuda" and rt.decoder_device == rt.device

@@ -25,7 +25,7 @@ class MovingAverage(AveragedModel):
     def __init__(self, model: nn.Module, decay: float):
         super().__init__(model, use_buffers=False)
         self.decay, self.count = decay, 0
-        self._lists: tuple = (None, [], [])  # (weakref to the trained model, its parameter groups, buffer groups)
+        self._lists: tuple = (None, [], [])  # (weakref to the trained model, parameter lists, buffer owners)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
