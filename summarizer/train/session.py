@@ -229,9 +229,9 @@ def open_session(cfg: Config) -> Session:
                                                                 rt, cfg.train)
         if probed["precision"] != rt.precision:
             rt.precision, scaler = probed["precision"], runtime.make_scaler(rt)
-    model = runtime.wrap_ddp(model, rt)
     if cfg.train.compile:
         model = runtime.compile_model(model, cfg.train.compile_mode)
+    model = runtime.wrap_ddp(model, rt)
     manifest = read_manifest(cfg.run_dir)
     skip, rollbacks = spikes.skipped(manifest, cfg.train), manifest.get("spike_rollbacks", [])
     train_loader = make_loader(train_ds, sampler, cfg.data, rt.device, cfg.train.seed)
