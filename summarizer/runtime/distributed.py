@@ -37,15 +37,15 @@ def wrap_ddp(model: nn.Module, rt: Runtime) -> nn.Module:
 def compile_model(model: nn.Module, mode: str = "default") -> nn.Module:
     """train.compile: a view of `model` whose repeated blocks (the layers its nn.ModuleLists hold) run under
     torch.compile, in train.compile_mode: torch's regional compilation. The blocks of one kind share one compiled
-    graph, so compiling costs what one block does: gigaword.yaml's layers (6 + 6, width 512) compiled in 14.7 s
-    against 53.7 s for the whole model, base.yaml's width in 13.1 against 42.1, at the same steady-state speed
-    (this CPU, torch's dropout; docs/results.md). Every batch dimension and length is symbolic from the first
-    compile (dynamic=True): length-bucketed batches change shape nearly every step, and torch's default
-    (dynamic=None) compiles for the first batch's shape and again at the next (torch.compile docs, "Dealing with
-    Recompilations"). The view shares every parameter and buffer with `model`, which stays eager for validation,
-    decoding and checkpoints (`unwrap` returns it); wrap it in DDP, not the other way round. A recompilation
-    stalls training as long as the first compile did, so each one is printed with the guard that failed (torch's
-    `recompiles` log; the TORCH_LOGS variable, where set, takes precedence)."""
+    graph, so compiling costs what one block does: gigaword.yaml's first compiled step took 25.4 s against 55.5 s
+    with the whole model compiled, at the same compiled tokens/s (this CPU, bf16, torch's dropout; docs/results.md).
+    Every batch dimension and length is symbolic from the first compile (dynamic=True): length-bucketed batches
+    change shape nearly every step, and torch's default (dynamic=None) compiles for the first batch's shape and
+    again at the next (torch.compile docs, "Dealing with Recompilations"). The view shares every parameter and
+    buffer with `model`, which stays eager for validation, decoding and checkpoints (`unwrap` returns it); wrap it
+    in DDP, not the other way round. A recompilation stalls training as long as the first compile did, so each one
+    is printed with the guard that failed (torch's `recompiles` log; the TORCH_LOGS variable, where set, takes
+    precedence)."""
     torch._logging.set_logs(recompiles=True)
     if isinstance(model, nn.ModuleList):
         return nn.ModuleList(torch.compile(block, dynamic=True, mode=mode) for block in model)
