@@ -32,12 +32,14 @@ def assert_same(a, b):
 
 
 @pytest.mark.slow
-def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_prepared, tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_prepared, tmp_path, compiled):
+    """Compiled too: DDP wraps the view whose layers are compiled, and its gradient hooks still average them."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     if torchrun is None:
         pytest.skip("torchrun is not installed next to this python")
     common = ["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tiny_prepared}",
-              f"run.tensorboard_dir={tmp_path / 'tb'}", *EXACT]
+              f"run.tensorboard_dir={tmp_path / 'tb'}", *EXACT, f"train.compile={str(compiled).lower()}"]
     train(load_config(common[1], common[2:] + [f"run.dir={tmp_path / 'one'}", "run.name=one",
                                                "train.accum_steps=2"]))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -51,8 +53,10 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_pr
     assert (tmp_path / "two" / "ckpt_00000006.pt").exists()
 
 
-def test_model_parallel_placement_cpu_cpu_equals_one_device(tiny_prepared, tmp_path):
-    base = [f"data.dir={tiny_prepared}", f"run.tensorboard_dir={tmp_path / 'tb'}", *EXACT]
+@pytest.mark.parametrize("compiled", [False, True])
+def test_model_parallel_placement_cpu_cpu_equals_one_device(tiny_prepared, tmp_path, compiled):
+    base = [f"data.dir={tiny_prepared}", f"run.tensorboard_dir={tmp_path / 'tb'}", *EXACT,
+            f"train.compile={str(compiled).lower()}"]
     train(load_config(ROOT / "configs/tiny.yaml", base + [f"run.dir={tmp_path / 'one'}", "run.name=one"]))
     train(load_config(ROOT / "configs/tiny.yaml", base + [
         f"run.dir={tmp_path / 'split'}", "run.name=split", "placement.encoder_device=cpu:0",
