@@ -204,30 +204,51 @@ def test_a_rows_word_hash_is_the_hash_of_its_repeat_key(tiny_prepared):
         assert (int(rules.h1[row]), int(rules.h2[row])) == text_hash(lex.repeat_key(ids)), tokenizer.decode(ids)
 
 
-def test_source_words_are_the_same_with_their_keys_kept_and_the_store_stays_bounded(tiny_prepared, monkeypatch):
-    """Lexicon.word_key keeps each source word's repeat key; what source_words returns is what it computes from
-    scratch, first seen or kept, and the store is emptied when it reaches WORD_KEYS."""
+def _source_words(lex, ids: list[int]) -> list[tuple[list[int], str]]:
+    """A source's words by their definition, one piece at a time: (pieces, repeat key) each, in order. A word
+    starts at a word-start piece or at the source's first piece; a piece that writes nothing is left out unless it
+    starts a word; a word holding a piece that writes nothing after its first is left out."""
+    words, word = [], []
+    for i in [*ids, None]:
+        if (i is None or lex.starts_word[i]) and word:
+            if all(lex.text[p] for p in word[1:]):
+                words.append((word, lex.repeat_key(word)))
+            word = []
+        if i is not None and (lex.text[i] or lex.starts_word[i]):
+            word.append(i)
+    return words
+
+
+@pytest.mark.parametrize("collide", [False, True])
+def test_a_batchs_source_words_are_their_definitions_with_their_keys_kept_and_the_store_bounded(tiny_prepared,
+                                                                                                monkeypatch, collide):
+    """Lexicon.source_word_arrays, the whole batch in array operations, holds each source's words as
+    `_source_words` defines them, with their repeat keys' hashes: first seen or kept, with a source of no
+    words and one of only pieces that write nothing; the kept hashes are emptied when they reach WORD_KEYS. With
+    every word given one key (`collide`), the distinct words are still told apart."""
+    import numpy as np
+
     from summarizer.decode import lexicon as lexicon_module
+    from summarizer.decode.lexicon import combined, text_hash
+    if collide:
+        monkeypatch.setattr(lexicon_module, "combined",
+                            lambda h1, h2: np.zeros_like(h1) if isinstance(h1, np.ndarray) else combined(h1, h2))
     tokenizer = open_tokenizer(tiny_prepared)
     lex = Lexicon(tokenizer, training_words(tiny_prepared))
     sources = tokenizer.encode_batch([p["source"] for p in read_pairs(tiny_prepared, "test")][:30])
-
-    def from_scratch(ids):
-        words, word = [], []
-        for i in [*ids, None]:
-            if (i is None or lex.starts_word[i]) and word:
-                if all(lex.text[p] for p in word[1:]):
-                    words.append((word, lex.repeat_key(word)))
-                word = []
-            if i is not None and (lex.text[i] or lex.starts_word[i]):
-                word.append(i)
-        return words
-
+    sources[3:3] = [[], [PAD, EOS], [UNK, UNK]]
     monkeypatch.setattr(lexicon_module, "WORD_KEYS", 16)
     for _ in range(2):  # first seen, then (as far as the bound allows) kept
-        for ids in sources:
-            assert lex.source_words(ids) == from_scratch(ids)
-            assert len(lex._word_keys) <= 16
+        pieces, lengths, hashes = lex.source_word_arrays(sources)
+        assert len(lex._word_hashes) <= 16
+        for b, ids in enumerate(sources):
+            words = _source_words(lex, ids)
+            assert lengths[b, :len(words)].tolist() == [len(w) for w, _ in words] and not lengths[b, len(words):].any()
+            assert [pieces[b, w, :n].tolist() for w, n in enumerate(lengths[b, :len(words)])] == [w for w, _ in words]
+            assert (pieces[b][lengths[b][:, None] <= range(pieces.shape[2])] == -1).all()
+            assert hashes[b, :len(words)].tolist() == [combined(*text_hash(key)) for _, key in words]
+            assert (hashes[b, len(words):] == -1).all()
+    assert pieces.shape[1] == max(len(_source_words(lex, ids)) for ids in sources)
 
 
 def test_decoding_pauses_the_cycle_collector_and_restores_it(model, sources, monkeypatch):
@@ -398,7 +419,7 @@ def test_word_rules_allow_exactly_what_their_definition_allows(lexicon_and_model
         for _ in range(16):
             allowed = rules.mask(torch.zeros(len(hyps), lex.vocab_size)) > float("-inf")
             for r, hyp in enumerate(hyps):
-                words = lex.source_words(sources[alive[r // group]])
+                words = _source_words(lex, sources[alive[r // group]])
                 assert set(allowed[r].nonzero().flatten().tolist()) == _allowed_by_definition(
                     lex, known_pieces, words, hyp), (trial, r, hyp)
             parents = [r // group * group + int(torch.randint(group, (1,), generator=gen)) for r in range(len(hyps))]

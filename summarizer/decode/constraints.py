@@ -20,14 +20,11 @@ finished word uses up every known word of its key.
 """
 from __future__ import annotations
 
-import itertools
-
-import numpy as np
 import torch
 from torch import Tensor
 
 from summarizer.data.tokenizer import EOS
-from summarizer.decode.lexicon import FEW_CHILDREN, Lexicon, combined, text_hash
+from summarizer.decode.lexicon import FEW_CHILDREN, Lexicon, combined
 
 
 def _both(rows: Tensor, pieces: Tensor) -> Tensor:
@@ -53,20 +50,8 @@ class WordRules:
                  device: torch.device | str = "cpu", capacity: int = 0):
         self.lex = lex = lexicon.on(torch.device(device))
         self.known_only, self.no_repeat, self.group = known_only, no_repeat, group
-        words = [lex.source_words(s) for s in sources]
-        most, longest = max([1, *map(len, words)]), max([1] + [len(p) for ws in words for p, _ in ws])
-        pieces = np.full((len(sources), most, longest), -1, dtype=np.int64)
-        lengths = np.zeros((len(sources), most), dtype=np.int64)
-        hashes = np.full((len(sources), most), -1, dtype=np.int64)
-        # filled by index arrays, not element by element: a batch holds tens of thousands of source words
-        at = np.array([(b, w) for b, ws in enumerate(words) for w in range(len(ws))], dtype=np.int64).reshape(-1, 2)
-        ids = [p for ws in words for p, _ in ws]
-        n = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        lengths[at[:, 0], at[:, 1]] = n
-        hashes[at[:, 0], at[:, 1]] = [combined(*text_hash(text)) for ws in words for _, text in ws]
-        word = np.repeat(np.arange(len(ids)), n)  # each piece's word, and its place in that word
-        pieces[at[word, 0], at[word, 1], np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)] = \
-            np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(n.sum()))
+        pieces, lengths, hashes = lex.source_word_arrays(sources)
+        longest = pieces.shape[2]
         dev = lex.starts.device
         # (B, W, L) each sentence's words' pieces (-1 after a word's end), (B, W) their lengths and text hashes
         self.src_pieces, self.src_len, self.src_hash = (torch.from_numpy(a).to(dev) for a in (pieces, lengths, hashes))

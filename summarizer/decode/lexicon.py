@@ -5,6 +5,7 @@ from a prepared data dir."""
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -19,8 +20,7 @@ WORD_START = "\u2581"  # SentencePiece's word-start marker
 UNKNOWN_TEXT = "\u2047"  # an UNK piece's text in a word (how SentencePiece writes it)
 HASH_BASE, HASH_P1, HASH_P2 = 1_000_003, 2_147_483_647, 2_147_483_629  # two primes below 2**31
 FEW_CHILDREN = 32  # tree nodes with at most this many children: see Lexicon.wide_children
-WORD_KEYS = 1 << 18  # source words whose repeat keys are kept (~50 MB at most)
-_UNSEEN = object()
+WORD_KEYS = 1 << 18  # source words whose repeat keys' hashes are kept (~50 MB at most)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -57,7 +57,7 @@ class Lexicon:
         # copied whole (the UNK written back as the source's own character: evaluate.summary_text), never
         # spelled without it, and no known word holds one.
         self.text[UNK] = UNKNOWN_TEXT
-        self._word_keys: dict[tuple[int, ...], str | None] = {}  # source_words' words, by their pieces
+        self._word_hashes: dict[tuple[int, ...], int] = {}  # source words' repeat key hashes, by their pieces
         # (V,) pieces inside a word that write only punctuation: closing a word, left out of its repeat key
         self.punct_inside = [bool(t) and i != UNK and not self.starts_word[i] and not any(c.isalnum() or c == "#"
                                                                                          for c in t)
@@ -71,6 +71,8 @@ class Lexicon:
         self.punct = torch.tensor(self.punct_inside)
         self.starts = torch.tensor(self.starts_word)  # (V,) pieces that start a word
         self.has_text = torch.tensor([bool(t) for t in self.text])  # (V,) pieces that write characters
+        self._starts = np.array(self.starts_word)  # ... as arrays, for a batch's source words
+        self._kept = self._starts | np.array([bool(t) for t in self.text])
         parent, piece_into, complete = [-1], [-1], [False]
         edges: dict[tuple[int, int], int] = {}
         for ids in tokenizer.encode_batch(sorted(set(known_words))):
@@ -176,28 +178,56 @@ class Lexicon:
             key = key if key and self.punct_inside[p] else text
         return key
 
-    def source_words(self, src_ids: list[int]) -> list[tuple[list[int], str]]:
-        """A source's words: (pieces, repeat key) each, in order; a word holding a piece that writes nothing
-        after its first is left out."""
-        words, word = [], []
-        for i in [*src_ids, None]:
-            if (i is None or self.starts_word[i]) and word:
-                if (key := self.word_key(tuple(word))) is not None:
-                    words.append((word, key))
-                word = []
-            if i is not None and (self.text[i] or self.starts_word[i]):
-                word.append(i)
-        return words
+    def source_word_arrays(self, sources: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The words of each source, as the word rules keep them: (B, W, L) their pieces (-1 after a word's end),
+        (B, W) their lengths (0: no word) and (B, W) their repeat keys' hashes (-1: no word), W the most words a
+        source has and L the longest word's pieces (at least 1 each). A word starts at a word-start piece or at
+        its source's first piece; a piece that writes nothing is left out unless it starts a word, so every piece
+        after a word's first writes something. The whole batch at once, in array operations: a decoding batch's
+        set-up is host time a GPU waits on. Repeat keys are computed once per distinct word and kept."""
+        counts = np.fromiter(map(len, sources), dtype=np.int64, count=len(sources))
+        flat = np.fromiter(itertools.chain.from_iterable(sources), dtype=np.int64, count=int(counts.sum()))
+        sentence = np.repeat(np.arange(len(sources)), counts)
+        kept = self._kept[flat]
+        flat, sentence, new = flat[kept], sentence[kept], self._starts[flat[kept]]
+        new[1:] |= sentence[1:] != sentence[:-1]
+        new[:1] = True  # a source's first piece starts its first word
+        first = np.flatnonzero(new)  # each word's first piece
+        word = np.cumsum(new) - 1  # each piece's word
+        lengths_flat = np.diff(np.append(first, len(flat)))
+        owner = sentence[first]  # each word's source, and its place there
+        per_source = np.bincount(owner, minlength=len(sources))
+        place = np.arange(len(first)) - np.repeat(np.cumsum(per_source) - per_source, per_source)
+        position = np.arange(len(flat)) - first[word]  # each piece's place in its word
+        most, longest = max(1, int(per_source.max(initial=0))), max(1, int(lengths_flat.max(initial=0)))
+        words = np.full((len(first), longest), -1, dtype=np.int64)
+        words[word, position] = flat
+        # the distinct words, found by a 62-bit key of their pieces (sorting rows is 10x slower), checked exactly
+        h1, h2 = np.zeros(len(words), dtype=np.int64), np.zeros(len(words), dtype=np.int64)
+        for column in words.T + 2:
+            h1, h2 = (h1 * HASH_BASE + column) % HASH_P1, (h2 * HASH_BASE + column) % HASH_P2
+        _, first_seen, inverse = np.unique(combined(h1, h2), return_index=True, return_inverse=True)
+        distinct = words[first_seen]
+        if not np.array_equal(distinct[inverse.reshape(-1)], words):  # two words share a key
+            distinct, inverse = np.unique(words, axis=0, return_inverse=True)
+        keys = np.fromiter((self._word_hash(tuple(p for p in row if p >= 0)) for row in distinct.tolist()),
+                           dtype=np.int64, count=len(distinct))
+        pieces = np.full((len(sources), most, longest), -1, dtype=np.int64)
+        pieces[owner, place] = words
+        lengths = np.zeros((len(sources), most), dtype=np.int64)
+        lengths[owner, place] = lengths_flat
+        hashes = np.full((len(sources), most), -1, dtype=np.int64)
+        hashes[owner, place] = keys[inverse.reshape(-1)]
+        return pieces, lengths, hashes
 
-    def word_key(self, word: tuple[int, ...]) -> str | None:
-        """The repeat key of a source word of these pieces, or None if a piece after its first writes nothing;
-        kept, since a batch's sources repeat their words (a decoding batch's set-up is host time a GPU waits on),
-        up to WORD_KEYS of them (`summarize` may read any number of distinct words)."""
-        key = self._word_keys.get(word, _UNSEEN)  # read once: decoding threads share the dict
-        if key is _UNSEEN:
-            if len(self._word_keys) >= WORD_KEYS:
-                self._word_keys.clear()
-            key = self._word_keys[word] = self.repeat_key(list(word)) if all(self.text[p] for p in word[1:]) else None
+    def _word_hash(self, word: tuple[int, ...]) -> int:
+        """The hash of a source word's repeat key, kept (sources repeat their words) up to WORD_KEYS of them:
+        `summarize` may read any number of distinct words."""
+        key = self._word_hashes.get(word)  # read once: decoding threads share the dict
+        if key is None:
+            if len(self._word_hashes) >= WORD_KEYS:
+                self._word_hashes.clear()
+            key = self._word_hashes[word] = combined(*text_hash(self.repeat_key(list(word))))
         return key
 
 
