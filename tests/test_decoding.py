@@ -249,6 +249,9 @@ def test_a_batchs_source_words_are_their_definitions_with_their_keys_kept_and_th
             assert hashes[b, :len(words)].tolist() == [combined(*text_hash(key)) for _, key in words]
             assert (hashes[b, len(words):] == -1).all()
     assert pieces.shape[1] == max(len(_source_words(lex, ids)) for ids in sources)
+    padded_ids = np.array([ids + [PAD] * (max(map(len, sources)) - len(ids)) for ids in sources])
+    assert all(np.array_equal(a, b) for a, b in zip(lex.source_word_arrays(padded_ids), (pieces, lengths, hashes),
+                                                     strict=True))  # a padded batch, as a search passes it
 
 
 def test_decoding_pauses_the_cycle_collector_and_restores_it(model, sources, monkeypatch):

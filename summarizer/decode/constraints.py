@@ -20,6 +20,7 @@ finished word uses up every known word of its key.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -46,8 +47,8 @@ class WordRules:
     step, and every step updates the state in place: the same tensors each step, which a CUDA graph can replay
     (summarizer/decode/static.py); rows then never reorder or leave."""
 
-    def __init__(self, lexicon: Lexicon, sources: list[list[int]], group: int, known_only: bool, no_repeat: bool,
-                 device: torch.device | str = "cpu", capacity: int = 0):
+    def __init__(self, lexicon: Lexicon, sources: list[list[int]] | np.ndarray, group: int, known_only: bool,
+                 no_repeat: bool, device: torch.device | str = "cpu", capacity: int = 0):
         self.lex = lex = lexicon.on(torch.device(device))
         self.known_only, self.no_repeat, self.group = known_only, no_repeat, group
         pieces, lengths, hashes = lex.source_word_arrays(sources)

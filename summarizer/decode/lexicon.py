@@ -178,15 +178,19 @@ class Lexicon:
             key = key if key and self.punct_inside[p] else text
         return key
 
-    def source_word_arrays(self, sources: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The words of each source, as the word rules keep them: (B, W, L) their pieces (-1 after a word's end),
+    def source_word_arrays(self, sources: list[list[int]] | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The words of each source (id lists, or a (B, S) array padded with PAD, which writes nothing and starts no
+        word), as the word rules keep them: (B, W, L) their pieces (-1 after a word's end),
         (B, W) their lengths (0: no word) and (B, W) their repeat keys' hashes (-1: no word), W the most words a
         source has and L the longest word's pieces (at least 1 each). A word starts at a word-start piece or at
         its source's first piece; a piece that writes nothing is left out unless it starts a word, so every piece
         after a word's first writes something. The whole batch at once, in array operations: a decoding batch's
         set-up is host time a GPU waits on. Repeat keys are computed once per distinct word and kept."""
-        counts = np.fromiter(map(len, sources), dtype=np.int64, count=len(sources))
-        flat = np.fromiter(itertools.chain.from_iterable(sources), dtype=np.int64, count=int(counts.sum()))
+        if isinstance(sources, np.ndarray):
+            counts, flat = np.full(len(sources), sources.shape[1], dtype=np.int64), sources.reshape(-1)
+        else:
+            counts = np.fromiter(map(len, sources), dtype=np.int64, count=len(sources))
+            flat = np.fromiter(itertools.chain.from_iterable(sources), dtype=np.int64, count=int(counts.sum()))
         sentence = np.repeat(np.arange(len(sources)), counts)
         kept = self._kept[flat]
         flat, sentence, new = flat[kept], sentence[kept], self._starts[flat[kept]]

@@ -65,8 +65,8 @@ class Rules:
         self.min_len = (src_ids != PAD).sum(dim=1).clamp(max=settings.min_len).repeat_interleave(group)
         self.words = None
         if lexicon is not None and (settings.known_words or settings.no_repeat_words):
-            self.words = WordRules(lexicon, [[t for t in row if t != PAD] for row in src_ids.tolist()], group,
-                                   settings.known_words, settings.no_repeat_words, src_ids.device, capacity)
+            self.words = WordRules(lexicon, src_ids.cpu().numpy(), group, settings.known_words,
+                                   settings.no_repeat_words, src_ids.device, capacity)
         self.fixed = capacity > 0
 
     def apply(self, log_probs: Tensor, step: int, prefixes: Tensor) -> Tensor:
