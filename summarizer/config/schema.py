@@ -156,7 +156,7 @@ class TrainConfig:
     set_to_none: bool = key(True, resume=True)
     fused_optimizer: bool = key(True, resume=True)  # AdamW(fused=True): one kernel for all parameters (CPU and CUDA)
     fused_loss: bool = key(True, resume=True)  # one-pass vocabulary loss with an in-place backward (losses.VocabStats)
-    compile: bool = key(False, resume=True)
+    compile: bool = key(False, resume=True)  # torch.compile the layers: runtime.compile_model
     # torch.compile's mode: reduce-overhead also replays CUDA graphs, one per batch shape (data.pad_rows keeps them
     # few); on a CPU it compiles as default does
     compile_mode: str = key("default", choices=("default", "reduce-overhead", "max-autotune",
