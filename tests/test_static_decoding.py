@@ -113,7 +113,7 @@ def test_a_static_step_reads_nothing_back_and_updates_its_tensors_in_place(tiny_
     rules = Rules(src, beam, s, lex, capacity=s.max_len + 1)
     step = GreedyStep(m, state, rules, s.max_len + 1) if beam == 1 else BeamStep(m, state, rules, s.max_len + 1, beam)
     kept = ("tokens", "prefixes", "step") + (("scores", "parents", "ranked", "top_scores", "top_parents", "before",
-                                               "cuts") if beam > 1 else ())
+                                               "cuts") if beam > 1 else ("ended_at", "cut"))
     words = ("pieces", "length", "node", "f1", "h1", "finished", "used", "column")
 
     def carried():

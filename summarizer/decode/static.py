@@ -28,7 +28,6 @@ from summarizer.decode.rules import (
     Rules,
     best_tokens,
     continuing,
-    ended_hypotheses,
     keep_ended,
     ranked_ends,
     top_candidates,
@@ -111,14 +110,23 @@ class Replayed:
 
 class GreedyStep(Replayed):
     """A whole greedy step, the rules and the choice of token included: the decoder's step at the cache's next
-    position, `Rules.apply_at`, the best allowed token of each row written into the prefixes, and the rules
-    advanced by it. Returns the (R,) tokens. Nothing is read back and no step differs in shape or code from
-    another, so a GPU replays one graph for every step, where the eager search launches hundreds of kernels a
-    step from Python."""
+    position, `Rules.apply_at`, the best allowed token of each row written into the prefixes, the rules advanced
+    by it, and for each row that ends now (its first EOS) the step it ended at and the pieces to cut
+    (`Rules.cuts`). Returns (R,) those steps (-1: not ended yet). Nothing is read back and no step differs in shape
+    or code from another, so a GPU replays one graph for every step, where the eager search launches hundreds of
+    kernels a step from Python."""
+
+    def __init__(self, model, state, rules: Rules, capacity: int, warmup: int = 2):
+        super().__init__(model, state, rules, capacity, warmup)
+        self.ended_at = torch.full_like(self.tokens, -1)  # (R,) the prefix column of each row's EOS
+        self.cut = torch.zeros_like(self.tokens)  # (R,) the pieces its hypothesis drops, as the rules said then
 
     def _run(self) -> Tensor:
         self._move_on(self.rows, best_tokens(self._log_probs()))
-        return self.tokens
+        now = (self.tokens == EOS) & (self.ended_at < 0)
+        self.cut.copy_(torch.where(now, self.rules.cuts(self.rows), self.cut))
+        self.ended_at.copy_(torch.where(now, self.step, self.ended_at))
+        return self.ended_at
 
 
 class BeamStep(Replayed):
@@ -180,24 +188,26 @@ def _beam(model, state, rules: Rules, settings: EvalConfig) -> list[list[int]]:
 
 
 def _greedy(model, state, rules: Rules, settings: EvalConfig) -> list[list[int]]:
-    """Greedy over a static batch: one `GreedyStep` a step, then the rows that ended now read back (one wait for
-    the device a step, and one more when a row ended); a row keeps its first ending."""
+    """Greedy over a static batch: one `GreedyStep` a step until every row has ended, then every hypothesis read
+    back at once. On a GPU whether all have ended is read one step late: a step's answer is copied into pinned
+    memory while the next step runs, so the device never waits for the host. A row keeps its first ending; a row
+    that never ends gets nothing."""
     step_of = GreedyStep(model, state, rules, settings.max_len + 1)
-    rows = len(step_of.tokens)
-    out: list[list[int] | None] = [None] * rows
-    done, left = torch.zeros(rows, dtype=torch.bool, device=step_of.device), rows
+    cuda = step_of.device.type == "cuda"
+    flags = [torch.zeros((), dtype=torch.bool, pin_memory=cuda) for _ in range(2)]  # all ended, by step parity
+    events = [torch.cuda.Event() if cuda else None for _ in range(2)]
     for step in range(settings.max_len + 1):
-        tokens = step_of.run()
-        ended = (tokens == EOS) & ~done
-        done |= ended
-        now = ended.nonzero().squeeze(1)
-        if now.numel():
-            for row, ids in ended_hypotheses(now, step_of.prefixes[:, :step + 2], rules.cuts(now), end=-1):
-                out[row] = ids
-                left -= 1
-        if not left:
-            break
-    return [ids if ids is not None else [] for ids in out]
+        ended_at = step_of.run()
+        flags[step % 2].copy_((ended_at >= 0).all(), non_blocking=cuda)
+        if cuda:
+            events[step % 2].record()
+        if (asked := step - 1 if cuda else step) >= 0:  # on a GPU the step before's answer, given by now
+            if cuda:
+                events[asked % 2].synchronize()
+            if flags[asked % 2]:
+                break
+    table = torch.cat([step_of.ended_at[:, None], step_of.cut[:, None], step_of.prefixes], dim=1).tolist()
+    return [ids[1:end][:end - 1 - cut] if end > 0 else [] for end, cut, *ids in table]
 
 
 @torch.inference_mode()
