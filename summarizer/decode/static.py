@@ -2,7 +2,7 @@
 a whole step as one CUDA graph instead of launching its hundreds of kernels from Python: the decoder's step, every
 rule, the choice of tokens and the beam's bookkeeping (`GreedyStep`, `BeamStep`). The rules keep their state in
 tensors of fixed size, updated in place, and take the step as a tensor (`Rules(capacity=...)`, `Rules.apply_at`);
-the host reads back only the hypotheses that end.
+the host reads back only the hypotheses that end (greedy: all of them once, when its batch has ended).
 
 What changes against `search.beam_search`, and only in how, not what, it computes: the KV cache has a fixed size
 (`max_len + 1` positions, written in place: `Seq2Seq.start_decoding(capacity=...)`); every sentence has `beam_size`
