@@ -71,8 +71,8 @@ class Lexicon:
         self.punct = torch.tensor(self.punct_inside)
         self.starts = torch.tensor(self.starts_word)  # (V,) pieces that start a word
         self.has_text = torch.tensor([bool(t) for t in self.text])  # (V,) pieces that write characters
-        self._starts = np.array(self.starts_word)  # ... as arrays, for a batch's source words
-        self._kept = self._starts | np.array([bool(t) for t in self.text])
+        self._starts = self.starts.numpy()  # the same, as arrays, for a batch's source words (on the CPU lexicon)
+        self._kept = self._starts | self.has_text.numpy()  # pieces a source word keeps
         parent, piece_into, complete = [-1], [-1], [False]
         edges: dict[tuple[int, int], int] = {}
         for ids in tokenizer.encode_batch(sorted(set(known_words))):

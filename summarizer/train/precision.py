@@ -5,10 +5,10 @@ On a CPU a rule decides (runtime.resolve_precision: bf16 where the CPU has AVX-5
 GPU the answer depends on the model: autocast adds casts and kernel launches to every step, which a large model's
 16-bit matmuls repay and a small one's may not (docs/practices.md, "precision"), and a compiled model fuses the
 casts into its kernels. So a new run on a GPU times forward and backward of a few of its first epoch's batches in
-both precisions, with the model as it will train (compiled once per precision where it trains compiled; a run
-without DDP reuses the chosen graph), and trains in the faster; 16 bit wins a tie (half the activation memory).
-The result is kept in the run's progress and reused on resume on the same kind of GPU and model (eager, or compiled
-in one mode), so a run never changes precision between its checkpoints on one machine."""
+both precisions, with the model as it will train (its layers compiled once per precision where it trains
+compiled; the run reuses the chosen precision's graphs), and trains in the faster; 16 bit wins a tie (half the
+activation memory). The result is kept in the run's progress and reused on resume on the same kind of GPU and
+model (eager, or compiled in one mode), so a run never changes precision between its checkpoints on one machine."""
 from __future__ import annotations
 
 import dataclasses
@@ -115,7 +115,7 @@ def choose(model: nn.Module, dataset: PairDataset, sampler: TokenBatchSampler, d
     """Probe the precisions `candidates` names and agree on rank 0's choice: what `recorded` reads back."""
     precisions = candidates("auto", rt)
     timed = runtime.unwrap(model)  # without DDP: a rank's own steps, no gradients exchanged
-    if cfg.compile:  # as the run trains it; without DDP the run reuses the chosen precision's graph
+    if cfg.compile:  # as the run trains it: the run's own compile reuses the chosen precision's graphs
         timed = runtime.compile_model(timed, cfg.compile_mode)
     seconds = measure(timed, probe_batches(dataset, sampler, data), precisions, rt, cfg)
     choice = pick(seconds)
