@@ -257,3 +257,17 @@ def test_a_run_on_a_second_gpu_makes_it_the_current_device(monkeypatch):
             assert rt.device == rt.decoder_device == torch.device("cuda", 0) and current == [torch.device("cuda", 0)]
     finally:
         torch.backends.cudnn.benchmark = cudnn_benchmark
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_late_read_waits_for_its_own_work_and_not_for_what_came_after(device):
+    """train_step's `finite` is read while the next step runs: on a GPU the read must not wait for that step."""
+    x = torch.randn(2048, 2048, device=device)
+    late = runtime.LateRead(torch.isfinite(x.sum()))
+    for _ in range(50 if device == "cuda" else 1):  # tens of ms of work queued behind the value
+        x = torch.tanh(x @ x)
+    assert bool(late.get()) is True
+    if device == "cuda":
+        assert late.get().is_pinned()
+        assert not torch.cuda.current_stream().query()  # the read returned while the later work still ran

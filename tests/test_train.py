@@ -94,18 +94,74 @@ def test_clipping_bounds_the_update_and_logs_the_raw_norm(tiny_data):
     assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none=True)
 
 
-def test_non_finite_gradients_skip_the_step(tiny_data):
-    cfg = make_cfg(tiny_data, "unused", "train.precision=fp32")
+@pytest.mark.parametrize("fused", [True, False])
+def test_non_finite_gradients_skip_the_step(tiny_data, fused):
+    """The fused AdamW skips inside its kernel (told through found_inf), the per-tensor one is not called: either
+    way weights, moments and step count are those of a step never taken, and the next step is the first."""
+    cfg = make_cfg(tiny_data, "unused", "train.precision=fp32", f"train.fused_optimizer={str(fused).lower()}")
+    rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
+    ds = PairDataset.from_dir(tiny_data, "train", cfg.data)
+    batch = move_batch(collate([ds[i] for i in range(4)]), rt.device)
+    torch.manual_seed(0)
+    model = Seq2Seq(cfg.model, 192)
+    optimizer = build_optimizer(model, cfg.train)
+    assert optimizer.defaults["fused"] == (fused or None)
+    norm = model.decoder_norm.weight
+    with torch.no_grad():
+        norm[0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    out = train_mod.train_step(model, optimizer, runtime.make_scaler(rt), [batch], rt, cfg.train)
+    assert not out["finite"] and not hasattr(optimizer, "found_inf")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True) if not a.isnan().any())
+    assert all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in optimizer.state.values())
+    with torch.no_grad():
+        norm[0] = 1.0
+    out = train_mod.train_step(model, optimizer, runtime.make_scaler(rt), [batch], rt, cfg.train)
+    assert out["finite"] and {float(s["step"]) for s in optimizer.state.values()} == {1.0}
+    assert not torch.equal(norm, before[[p is norm for p in model.parameters()].index(True)])
+
+
+def test_a_training_step_reads_nothing_back_from_the_device(tiny_data, monkeypatch):
+    """The host queues step n + 1 while step n runs: train_step converts no tensor to a Python value (each such
+    read waits for the device to finish everything queued). Logged steps (module statistics) and optimizers
+    that are not fused read once, by design; not these. (The CPU's fast dropout draws its seed on the host: off
+    here, as it is on a GPU.)"""
+    cfg = make_cfg(tiny_data, "unused", "train.precision=fp32", "model.fast_dropout=false")
     rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
     ds = PairDataset.from_dir(tiny_data, "train", cfg.data)
     model = Seq2Seq(cfg.model, 192)
-    with torch.no_grad():
-        model.decoder_norm.weight[0] = float("nan")
-    before = [p.detach().clone() for p in model.parameters()]
-    out = train_mod.train_step(model, build_optimizer(model, cfg.train), runtime.make_scaler(rt),
-                               [move_batch(collate([ds[i] for i in range(4)]), rt.device)], rt, cfg.train)
-    assert not out["finite"]
-    assert all(torch.equal(a, b) or torch.isnan(a).any() for a, b in zip(before, model.parameters(), strict=True))
+    optimizer, scaler = build_optimizer(model, cfg.train), runtime.make_scaler(rt)
+    batches = [move_batch(collate([ds[i] for i in range(j, j + 4)]), rt.device) for j in (0, 4)]
+    train_mod.train_step(model, optimizer, scaler, batches[:1], rt, cfg.train)  # the optimizer's state made
+
+    def read(self, *args):
+        raise AssertionError("a tensor was read back to the host")
+    for name in ("__bool__", "__float__", "__int__", "__index__", "item", "tolist", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, read)
+    out = train_mod.train_step(model, optimizer, scaler, batches, rt, cfg.train)
+    monkeypatch.undo()
+    assert out["finite"] and out["loss_sum"] > 0
+
+
+def test_a_skipped_step_is_named_one_step_later_and_the_run_goes_on(tiny_data, tmp_path, monkeypatch, capsys):
+    """The loop reads a step's finiteness once the next step is queued: step 7's NaN is reported as step 7's, with
+    its own batch, the log counts it as skipped, and the run trains on to the end."""
+    from summarizer.train import losses
+    calls = []
+
+    def nan_on_the_seventh(out, *args, **kwargs):
+        calls.append(1)
+        loss, nll = losses.smoothed_nll(out, *args, **kwargs)
+        return (loss * float("nan"), nll) if len(calls) == 7 else (loss, nll)
+    monkeypatch.setattr(train_mod, "smoothed_nll", nan_on_the_seventh)
+    run = tmp_path / "run"
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=10", "train.eval_every=100", "train.rouge_every=0",
+                               "train.select_by=loss"))
+    log = capsys.readouterr().err
+    assert re.search(r"step 7: non-finite loss or gradients, step skipped \(batch \d+ of epoch 0", log), log
+    assert log.count("non-finite") == 1
+    rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
+    assert [(r["step"], r["skipped_steps"]) for r in rows] == [(5, 0), (10, 1)]
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")

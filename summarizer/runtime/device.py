@@ -95,6 +95,26 @@ def move_batch(batch: dict, device: torch.device) -> dict:
     return {key: move(value, device) if torch.is_tensor(value) else value for key, value in batch.items()}
 
 
+class LateRead:
+    """A device value for the host to read later without draining the device's queue: copied now, behind the work
+    that computes it, into pinned memory; `get` then waits for that work alone, not for what was queued after it
+    (a `.item()` would wait for all of it). Elsewhere than on a GPU, the value itself."""
+
+    def __init__(self, value: Tensor):
+        self.event = None
+        if value.is_cuda:
+            self.value = torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.value = value.detach().cpu()
+
+    def get(self) -> Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.value
+
+
 def resolve_device(name: str) -> torch.device:
     if name in ("", "auto"):
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -29,6 +29,7 @@ from summarizer.train.guard import (
     worker_died,
 )
 from summarizer.train.losses import smoothed_nll
+from summarizer.train.optim import step_if_finite
 from summarizer.train.session import Session, open_session
 from summarizer.train.validation import validate
 from summarizer.train.watch.flops import batch_flops, peak_flops
@@ -39,9 +40,10 @@ from summarizer.train.watch.nonfinite import first_nonfinite
 
 def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], rt: Runtime,
                cfg: TrainConfig, stats: ModuleStats | None = None) -> dict:
-    """One optimizer step over k micro-batches. Returns tensors: nothing here forces a host sync
-    except the single finiteness check of the gradient norm (and, given `stats`, its one read of the
-    per-module statistics, as out["modules"])."""
+    """One optimizer step over k micro-batches. Returns tensors, `finite` among them (the gradients were finite and
+    the update was made): nothing here reads the device, so the host queues the next step while this one runs,
+    except where `stats` are given (their one read, as out["modules"]) and where the optimizer is not fused (it
+    reads `finite` before it steps; so does GradScaler's step with one)."""
     total = sum(b["n_tgt"] for b in micro_batches)
     if rt.distributed:  # every rank divides by the global token count, so DDP's mean is the exact mean; it stays
         # on the device (a tensor), so summing it across ranks costs no host sync
@@ -62,17 +64,28 @@ def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], r
     if stats is not None:
         stats.before_update()
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm if cfg.clip_norm > 0 else math.inf)
-    finite = bool(torch.isfinite(grad_norm))
+    finite = torch.isfinite(grad_norm)  # on the device: the loop reads it while the next step runs (Unread)
     if scaler.is_enabled():
         scaler.step(optimizer)  # skips the update by itself on inf/nan gradients
         scaler.update()
-    elif finite:
-        optimizer.step()
+    else:
+        step_if_finite(optimizer, finite)
     modules = stats.after_update() if stats is not None else {}
     optimizer.zero_grad(set_to_none=cfg.set_to_none)
     # Local sums; `tokens` is the global target count they are normalised by (Window all-reduces).
     return {"loss_sum": torch.stack(losses).sum(), "nll_sum": torch.stack(nlls).sum(), "tokens": total,
             "grad_norm": grad_norm.detach(), "finite": finite, "modules": modules}
+
+
+@dataclass
+class Unread:
+    """A finished step whose gradients' finiteness the host has not read yet. It is read after the next step is
+    queued (`settle`), so the device never waits for the host between steps."""
+    finite: runtime.LateRead
+    step: int
+    epoch: int
+    position: int
+    micro_batches: list[dict]  # kept one step longer: a step gone wrong is re-run on them to name its first NaN
 
 
 @dataclass
@@ -86,6 +99,7 @@ class Loop:
     module_stats: ModuleStats | None = None  # train.module_stats: read on logged steps
     bad_in_row: int = 0
     compiling: bool = False  # train.compile: this process's first step compiles the model, and says how long it took
+    unread: Unread | None = None
 
 
 def start_loop(session: Session) -> Loop:
@@ -131,6 +145,7 @@ def train(cfg: Config) -> dict:
                 break
             if after_step(session, loop, out):
                 break
+        settle(session, loop)
         best = progress["best"] or {"metric": cfg.train.select_by, "value": float("nan")}
         session.monitor.hparams(flatten(cfg), {f"best/{best['metric']}": best["value"],
                                                "hparam/steps": progress["step"]})
@@ -163,34 +178,47 @@ def step_once(session: Session, fetched: list, data_s: float, loop: Loop) -> dic
     if loop.compiling:
         loop.compiling = False
         session.monitor.write(f"step {progress['step'] + 1}: compiled and ran in {time.perf_counter() - started:.1f} s")
+    settle(session, loop)  # the previous step's, read now that this one is queued behind it
     session.scheduler.step()
     if session.ema is not None:
         session.ema.update_parameters(runtime.unwrap(session.model))
     progress.update(step=progress["step"] + 1, epoch=epoch, position=position,
                     elapsed_s=time.perf_counter() - loop.started)
-    if train_cfg.spike_factor and out["finite"] and roll_back_spike(session, fetched, out):
+    loop.unread = Unread(runtime.LateRead(out["finite"]), progress["step"], epoch, position, micro)
+    if train_cfg.spike_factor and bool(out["finite"]) and roll_back_spike(session, fetched, out):
         loop.window.reset()
-        loop.bad_in_row = 0
+        loop.bad_in_row, loop.unread = 0, None
         return None
     flops = [batch_flops(session.cfg.model, session.meta["vocab_size"], batch) for batch, _, _ in fetched]
     loop.window.add(out, micro, data_s, (sum(f[0] for f in flops), sum(f[1] for f in flops)))
-    # fp16's scale search skips steps on overflow by design: not a fault (get_scale reads the device: only then)
-    overflow = not out["finite"] and session.scaler.is_enabled() and session.scaler.get_scale() >= 1.0
-    loop.bad_in_row = 0 if out["finite"] or overflow else loop.bad_in_row + 1
-    if loop.bad_in_row:
-        where = first_nonfinite(session.model, micro, rt, train_cfg)
-        session.monitor.write(f"step {progress['step']}: non-finite loss or gradients, step skipped (batch "
-                              f"{position} of epoch {epoch} in the data order); the first NaN/inf: {where}")
-    del micro, fetched  # free this step's batch before the next one is fetched
-    if loop.bad_in_row >= train_cfg.max_bad_steps:
-        raise TrainingAborted(
-            f"{loop.bad_in_row} optimizer steps in a row had non-finite loss or gradients (step "
-            f"{progress['step']}; the first NaN/inf: {where}); lower train.lr (now {train_cfg.lr}), raise "
-            f"train.warmup_steps, keep train.clip_norm > 0, or use train.precision=fp32 to rule out overflow")
+    del micro, fetched  # the step's batches live on in loop.unread alone, until the next step settles it
     session.monitor.advance()
     if loop.profiler:
         loop.profiler.step()
     return out
+
+
+def settle(session: Session, loop: Loop) -> None:
+    """Act on the unread step's finiteness: a skipped step is named, with its batch and its first NaN/inf, and
+    `max_bad_steps` of them in a row abort the run. fp16's scale search skips steps on overflow by design: not a
+    fault (get_scale reads the device: only then)."""
+    unread, loop.unread = loop.unread, None
+    if unread is None:
+        return
+    train_cfg = session.cfg.train
+    finite = bool(unread.finite.get())
+    overflow = not finite and session.scaler.is_enabled() and session.scaler.get_scale() >= 1.0
+    loop.bad_in_row = 0 if finite or overflow else loop.bad_in_row + 1
+    if not loop.bad_in_row:
+        return
+    where = first_nonfinite(session.model, unread.micro_batches, session.rt, train_cfg)
+    session.monitor.write(f"step {unread.step}: non-finite loss or gradients, step skipped (batch {unread.position} "
+                          f"of epoch {unread.epoch} in the data order); the first NaN/inf: {where}")
+    if loop.bad_in_row >= train_cfg.max_bad_steps:
+        raise TrainingAborted(
+            f"{loop.bad_in_row} optimizer steps in a row had non-finite loss or gradients (step {unread.step}; the "
+            f"first NaN/inf: {where}); lower train.lr (now {train_cfg.lr}), raise train.warmup_steps, keep "
+            f"train.clip_norm > 0, or use train.precision=fp32 to rule out overflow")
 
 
 def after_step(session: Session, loop: Loop, out: dict) -> bool:

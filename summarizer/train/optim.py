@@ -26,6 +26,20 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8, fused=fused or None)
 
 
+def step_if_finite(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """optimizer.step() unless `finite`, a bool on the device, is False. A fused AdamW is handed the flag as
+    GradScaler hands it one (its `found_inf`) and skips the update inside its kernel: weights, moments and step
+    count untouched, and nothing read back to the host. Other optimizers read the flag first (one host sync)."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.found_inf = (~finite).float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif bool(finite):
+        optimizer.step()
+
+
 def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Multiplier of cfg.lr after `step` optimizer steps: linear warm-up, then the chosen decay."""
     warmup = max(cfg.warmup_steps, 1)

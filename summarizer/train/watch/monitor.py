@@ -232,9 +232,9 @@ class Window:
         self.reset()
 
     def reset(self) -> None:
-        self.steps, self.data_s, self.skipped, self.tokens = 0, 0.0, 0, 0
+        self.steps, self.data_s, self.tokens = 0, 0.0, 0
         self.flops, self.padded_flops = 0, 0  # model FLOPs of real tokens; FLOPs computed on padded shapes
-        self.sums = torch.zeros(2, device=self.device)  # nll / global tokens, loss / global tokens
+        self.sums = torch.zeros(3, device=self.device)  # nll / global tokens, loss / global tokens, skipped steps
         for device in self.rt.devices:
             reset_peak_memory(device)
         self.started = self.clock()
@@ -244,19 +244,21 @@ class Window:
         self.flops += flops[0]
         self.padded_flops += flops[1]
         self.data_s += data_s
-        self.skipped += not out["finite"]
         self.tokens += sum(b["n_src"] + b["n_tgt"] for b in micro_batches)
-        self.sums += torch.stack([out["nll_sum"], out["loss_sum"]]).to(self.device) / out["tokens"]
+        losses = torch.stack([out["nll_sum"], out["loss_sum"]]).to(self.device) / out["tokens"]
+        skipped = (~out["finite"]).float().to(self.device)
+        self.sums += torch.cat([losses, skipped.reshape(1)])
 
     def summary(self, lr: float, grad_norm: torch.Tensor) -> dict:
         from summarizer.runtime import all_reduce_sum
         counts = torch.tensor([float(self.tokens), float(self.flops), float(self.padded_flops)], device=self.device)
-        nll, loss, tokens, flops, padded = all_reduce_sum(torch.cat([self.sums, counts]), self.rt).tolist()  # one sync
+        sums = all_reduce_sum(torch.cat([self.sums, counts]), self.rt)
+        nll, loss, skipped, tokens, flops, padded = sums.tolist()  # the interval's one read of the device
         seconds = self.clock() - self.started
         steps = max(self.steps, 1)
         summary = {"loss": nll / steps, "smoothed_loss": loss / steps, "lr": lr, "grad_norm": grad_norm.item(),
                    "tokens_per_s": tokens / seconds, "step_s": seconds / steps, "data_wait": self.data_s / seconds,
-                   "skipped_steps": self.skipped,
+                   "skipped_steps": round(skipped / self.rt.world_size),  # every rank skips the same steps
                    "peak_memory_mb": max(peak_memory_mb(d) for d in self.rt.devices),
                    "memory_mb": max(current_memory_mb(d) for d in self.rt.devices)}
         if flops:  # flops.py: FLOPs of the real tokens; MFU against one device's peak, per device
