@@ -13,7 +13,8 @@
 # GPU_CHECK_CONFIG (configs/base.yaml; configs/tiny.yaml on a CPU), GPU_CHECK_SECONDS (450: parts are
 # skipped once it is spent), GPU_CHECK_PARTS ("1 2 3 4 5 6": the parts to run; 3 and 6 decode part 1's fp32 run),
 # GPU_CHECK_PRECISIONS ("fp32 bf16 fp16 auto": part 1's runs),
-# GPU_CHECK_GW_RUNS ("bf16 fp32 bf16_compile bf16_graphs": part 5's runs; also fp32_compile, fp32_graphs),
+# GPU_CHECK_GW_RUNS ("bf16 fp32 bf16_compile bf16_graphs": part 5's runs; also fp32_compile, fp32_graphs, and any
+# of them with _b<tokens>, another data.batch_tokens),
 # GPU_CHECK_GW_MINUTES (0.6 per eager run), GPU_CHECK_GW_STEPS (600 per compiled run), GPU_CHECK_GW_PAIRS (100000),
 # GPU_CHECK_GW_DATA (part 5's synthetic pairs already prepared with configs/gigaword.yaml, for a machine without the
 # `datasets` package data_prep needs).
@@ -110,7 +111,8 @@ fi
 
 # 5. gigaword.yaml's model (60M parameters, 16k-token batches, 32k vocabulary) on synthetic pairs (GPU_CHECK_GW_RUNS):
 # bf16 and fp32 eager, bf16 compiled (<precision>_compile) and compiled with CUDA graphs (<precision>_graphs:
-# train.compile_mode=reduce-overhead). An eager run trains for GPU_CHECK_GW_MINUTES (up to 200 s in all); a compiled
+# train.compile_mode=reduce-overhead); a suffix _b<tokens> sets data.batch_tokens (bf16_b65536: what a larger batch
+# does to MFU). An eager run trains for GPU_CHECK_GW_MINUTES (up to 200 s in all); a compiled
 # one for GPU_CHECK_GW_STEPS steps whatever its compilation takes (up to 300 s in all; its log says how long the first
 # step compiled and what recompiled). The report's figures are the last third of each run's steps.
 SYN=${GPU_CHECK_GW_DATA:-$OUT/synthetic/data}
@@ -124,10 +126,11 @@ if [ "$DEV" = cuda ]; then
         "data.source=$OUT/synthetic/pairs" "data.dir=$SYN"; }; } &&
     for v in ${GPU_CHECK_GW_RUNS:-bf16 fp32 bf16_compile bf16_graphs}; do
       steps=${GPU_CHECK_GW_STEPS:-600} minutes=0 limit=300
-      case $v in *_compile) compiled=true mode=default ;; *_graphs) compiled=true mode=reduce-overhead ;;
+      case ${v%_b[0-9]*} in *_compile) compiled=true mode=default ;; *_graphs) compiled=true mode=reduce-overhead ;;
         *) compiled=false mode=default steps=100000 minutes=${GPU_CHECK_GW_MINUTES:-0.6} limit=200 ;; esac
+      case $v in *_b[0-9]*) batch=(data.batch_tokens="${v##*_b}") ;; *) batch=() ;; esac
       step 5 "gigaword $v" "$limit" "${GW[@]}" "run.name=gc_gigaword_$v" "run.dir=$OUT/gigaword/$v" "train.precision=${v%%_*}" \
-        "train.compile=$compiled" "train.compile_mode=$mode" "train.max_minutes=$minutes" \
+        "train.compile=$compiled" "train.compile_mode=$mode" "train.max_minutes=$minutes" "${batch[@]}" \
         $(schedule "$steps" 50)
     done
 else
