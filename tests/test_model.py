@@ -160,7 +160,9 @@ def test_torch_compile_sees_the_whole_model_as_one_graph_and_compiles_each_kind_
     graphs). train.compile compiles its layers (regional compilation): one graph for every encoder layer, one for
     every decoder layer, and the compiled view computes what the model, left eager, does. Dropout on, as torch's
     kernel (the GPU's). Batches of another size and other lengths run the same compiled graphs: they are compiled
-    with symbolic shapes from the first batch, not once for that batch's shape and again for the next."""
+    with symbolic shapes from the first batch, not once for that batch's shape and again for the next, even where
+    the first batch's sizes equal the model's (8 rows and a head size of 8, 32 positions and d_model 32, 4 target
+    positions and 4 heads), which duck sizing would make one symbol, and the next batch a recompilation."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -175,7 +177,7 @@ def test_torch_compile_sees_the_whole_model_as_one_graph_and_compiles_each_kind_
         counters.clear()
         model.eval()
         compiled = runtime.compile_model(model)
-        for shape in ((3, 7, 5), (5, 12, 8), (2, 9, 3)):
+        for shape in ((8, 32, 4), (3, 7, 5), (5, 12, 8), (2, 9, 3)):
             src, tgt = torch.randint(4, 50, shape[:2]), torch.randint(4, 50, (shape[0], shape[2]))
             assert torch.allclose(compiled(src, tgt).logits, model(src, tgt).logits, atol=1e-5)
         assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
