@@ -143,22 +143,24 @@ def test_a_training_step_reads_nothing_back_from_the_device(tiny_data, monkeypat
     assert out["finite"] and out["loss_sum"] > 0
 
 
-def test_a_skipped_step_is_named_one_step_later_and_the_run_goes_on(tiny_data, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("bad", [7, 10])
+def test_a_skipped_step_is_named_one_step_later_and_the_run_goes_on(tiny_data, tmp_path, monkeypatch, capsys, bad):
     """The loop reads a step's finiteness once the next step is queued: step 7's NaN is reported as step 7's, with
-    its own batch, the log counts it as skipped, and the run trains on to the end."""
+    its own batch, the log counts it as skipped, and the run trains on to the end. The last step's is read once
+    the loop ends."""
     from summarizer.train import losses
     calls = []
 
-    def nan_on_the_seventh(out, *args, **kwargs):
+    def nan_once(out, *args, **kwargs):
         calls.append(1)
         loss, nll = losses.smoothed_nll(out, *args, **kwargs)
-        return (loss * float("nan"), nll) if len(calls) == 7 else (loss, nll)
-    monkeypatch.setattr(train_mod, "smoothed_nll", nan_on_the_seventh)
+        return (loss * float("nan"), nll) if len(calls) == bad else (loss, nll)
+    monkeypatch.setattr(train_mod, "smoothed_nll", nan_once)
     run = tmp_path / "run"
     train_mod.train(make_cfg(tiny_data, run, "train.max_steps=10", "train.eval_every=100", "train.rouge_every=0",
                                "train.select_by=loss"))
     log = capsys.readouterr().err
-    assert re.search(r"step 7: non-finite loss or gradients, step skipped \(batch \d+ of epoch 0", log), log
+    assert re.search(rf"step {bad}: non-finite loss or gradients, step skipped \(batch \d+ of epoch 0", log), log
     assert log.count("non-finite") == 1
     rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
     assert [(r["step"], r["skipped_steps"]) for r in rows] == [(5, 0), (10, 1)]
