@@ -53,6 +53,27 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tiny_pr
     assert (tmp_path / "two" / "ckpt_00000006.pt").exists()
 
 
+@pytest.mark.slow
+def test_two_gloo_ranks_stop_together_when_the_time_is_up(tiny_prepared, tmp_path):
+    """The ranks' clocks differ, so each step they sum their "time is up" and read the sum a step later (Consensus):
+    both stop after the same step, validate and checkpoint it together, and nobody waits for a rank gone."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this python")
+    run = tmp_path / "two"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "-m", "summarizer", "train", "--config",
+                           str(ROOT / "configs/tiny.yaml"), f"data.dir={tiny_prepared}", f"run.dir={run}",
+                           f"run.tensorboard_dir={tmp_path / 'tb'}", *EXACT, "train.max_steps=100000",
+                           "train.max_minutes=0.05", "train.eval_every=100000", "train.rouge_every=0",
+                           "train.select_by=loss"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stopped = [int(line.split()[3].rstrip(":")) for line in proc.stderr.splitlines() if ": time limit" in line]
+    step = json.loads((run / "latest.json").read_text())["step"]
+    assert stopped == [step] and 0 < step < 100000, proc.stderr[-3000:]  # rank 0 prints; its checkpoint's step
+    assert records(run, "valid")[-1][0] == step
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_model_parallel_placement_cpu_cpu_equals_one_device(tiny_prepared, tmp_path, compiled):
     base = [f"data.dir={tiny_prepared}", f"run.tensorboard_dir={tmp_path / 'tb'}", *EXACT,

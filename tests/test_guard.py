@@ -250,8 +250,32 @@ def test_a_checkpoint_only_one_rank_may_write_does_not_gather_the_ranks_streams(
         rt=types.SimpleNamespace(distributed=False), scheduler=types.SimpleNamespace(get_last_lr=lambda: [1e-3]),
         monitor=types.SimpleNamespace(write=lambda message: None))
     loop = types.SimpleNamespace(stop=stop, window=window)
-    assert loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0)}) is True
+    assert loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0)}, time_up=False) is True
     assert saved == [False]
     session.progress["step"], stop.signum = 20, None  # the checkpoint interval, with the same signal
-    assert loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0)}) is True
+    assert loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0)}, time_up=False) is True
     assert saved == [False, True]
+
+
+def test_ranks_agree_on_stopping_one_step_late_under_ddp_and_at_once_without(monkeypatch):
+    """Consensus: without DDP a flag is acted on after the step that raised it; under DDP each flag is summed across
+    the ranks and the sums of step n are read after step n + 1 (no wait for the device between steps), the same
+    step on every rank. Here the collective is the sum over two ranks that raise the same flags."""
+    from summarizer.runtime import Runtime
+    cpu = torch.device("cpu")
+    alone = guard.Consensus(Runtime(cpu, cpu, "fp32"))
+    assert alone(True, False) == [True, False] and alone(False, True) == [False, True]
+    summed = []
+    monkeypatch.setattr(guard.runtime, "all_reduce_sum", lambda t, rt: summed.append(t.tolist()) or t * 2)
+    ddp = guard.Consensus(Runtime(cpu, cpu, "fp32", rank=0, world_size=2))
+    assert [ddp(True, False), ddp(False, False), ddp(False, True), ddp(False, False)] == [
+        [False, False], [True, False], [False, False], [False, True]]
+    assert summed == [[1.0, 0.0], [0.0, 0.0], [0.0, 1.0], [0.0, 0.0]]  # one collective a step, every step
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_numbers_reach_the_device_without_draining_its_queue(device):
+    from summarizer import runtime
+    value = runtime.device_tensor([1.0, 2.5], torch.device(device))
+    assert value.device.type == device and value.tolist() == [1.0, 2.5]

@@ -5,6 +5,7 @@ from summarizer.runtime.device import (
     LateRead,
     Runtime,
     cpu_has_fast_bf16,
+    device_tensor,
     eval_mode,
     make_scaler,
     move,
@@ -18,5 +19,5 @@ from summarizer.runtime.device import (
 from summarizer.runtime.distributed import all_gather_object, all_reduce_sum, compile_model, teardown, unwrap, wrap_ddp
 
 __all__ = ["LateRead", "Runtime", "all_gather_object", "all_reduce_sum", "compile_model", "cpu_has_fast_bf16",
-           "eval_mode", "make_scaler", "move", "move_batch", "resolve_device", "resolve_precision", "seed_everything",
-           "set_cpu_kernel_cache", "setup", "teardown", "unwrap", "wrap_ddp"]
+           "device_tensor", "eval_mode", "make_scaler", "move", "move_batch", "resolve_device", "resolve_precision",
+           "seed_everything", "set_cpu_kernel_cache", "setup", "teardown", "unwrap", "wrap_ddp"]

@@ -95,6 +95,14 @@ def move_batch(batch: dict, device: torch.device) -> dict:
     return {key: move(value, device) if torch.is_tensor(value) else value for key, value in batch.items()}
 
 
+def device_tensor(values, device: torch.device) -> Tensor:
+    """Python numbers as a tensor on `device`, queued behind the device's work rather than waiting for it:
+    `torch.tensor(x, device="cuda")` copies from pageable memory and then waits for the whole queue to drain; a copy
+    from pinned memory does not."""
+    cuda = device.type == "cuda"
+    return torch.tensor(values, pin_memory=cuda).to(device, non_blocking=cuda)
+
+
 class LateRead:
     """A device value for the host to read later without draining the device's queue: copied now, behind the work
     that computes it, into pinned memory; `get` then waits for that work alone, not for what was queued after it

@@ -99,11 +99,22 @@ class ChildSignals:
             self._previous(signal.SIGCHLD, None)
 
 
-def agree(flag: bool, rt: Runtime) -> bool:
-    """Every rank stops together, or the others would wait forever in the next all-reduce."""
-    if not rt.distributed:
-        return flag
-    return bool(runtime.all_reduce_sum(torch.tensor(float(flag), device=rt.device), rt) > 0)
+class Consensus:
+    """What every rank must decide alike between steps (a stop signal came, the time is up), or the others would
+    wait forever in the next all-reduce: each flag summed across the ranks, any rank's yes everyone's. Without DDP,
+    this process's own flags, at once. Under DDP the sums of step n's flags are read once step n + 1 is queued
+    (runtime.LateRead), so no rank's host waits for its device between steps; every rank reads the same sums after
+    the same step, so all act together, one step after the flag was raised."""
+
+    def __init__(self, rt: Runtime):
+        self.rt, self.unread = rt, None
+
+    def __call__(self, *flags: bool) -> list[bool]:
+        if not self.rt.distributed:
+            return list(flags)
+        sums = runtime.all_reduce_sum(runtime.device_tensor([float(f) for f in flags], self.rt.device), self.rt)
+        previous, self.unread = self.unread, runtime.LateRead(sums)
+        return [False] * len(flags) if previous is None else [v > 0 for v in previous.get().tolist()]
 
 
 def save_now(session: Session, every_rank: bool = True) -> None:

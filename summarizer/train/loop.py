@@ -15,10 +15,10 @@ from summarizer.config.schema import Config, TrainConfig
 from summarizer.runtime import Runtime, move_batch
 from summarizer.train.guard import (
     ChildSignals,
+    Consensus,
     StopFlag,
     StopRequested,
     TrainingAborted,
-    agree,
     check_run_dir,
     dead_worker,
     out_of_memory,
@@ -47,7 +47,7 @@ def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], r
     total = sum(b["n_tgt"] for b in micro_batches)
     if rt.distributed:  # every rank divides by the global token count, so DDP's mean is the exact mean; it stays
         # on the device (a tensor), so summing it across ranks costs no host sync
-        total = runtime.all_reduce_sum(torch.tensor(float(total), device=rt.device), rt)
+        total = runtime.all_reduce_sum(runtime.device_tensor(float(total), rt.device), rt)
     losses, nlls = [], []
     for i, batch in enumerate(micro_batches):
         # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
@@ -100,6 +100,7 @@ class Loop:
     bad_in_row: int = 0
     compiling: bool = False  # train.compile: this process's first step compiles the model, and says how long it took
     unread: Unread | None = None
+    consensus: Consensus | None = None  # the ranks' agreement to stop (a signal, the time limit)
 
 
 def start_loop(session: Session) -> Loop:
@@ -116,7 +117,8 @@ def start_loop(session: Session) -> Loop:
                               f"minutes on a large model; a recompilation is printed with its cause")
     return Loop(StopFlag(), ChildSignals(), Window(rt, peak_flops=peak), profiler,
                 time.perf_counter() - session.progress["elapsed_s"],
-                ModuleStats(session.model) if train_cfg.module_stats else None, compiling=train_cfg.compile)
+                ModuleStats(session.model) if train_cfg.module_stats else None, compiling=train_cfg.compile,
+                consensus=Consensus(rt))
 
 
 def train(cfg: Config) -> dict:
@@ -139,11 +141,13 @@ def train(cfg: Config) -> dict:
                 out = step_once(session, fetched, time.perf_counter() - fetch_started, loop)
             if out is None:  # a loss spike rolled the run back to its newest checkpoint
                 continue
-            if agree(loop.stop.requested, rt):  # the finished step's checkpoint first, and nothing else
+            minutes = cfg.train.max_minutes
+            stop, time_up = loop.consensus(loop.stop.requested, bool(minutes) and progress["elapsed_s"] >= 60 * minutes)
+            if stop:  # the finished step's checkpoint first, and nothing else
                 save_now(session)
                 session.monitor.write(f"stopping at step {progress['step']}: {loop.stop.name}; checkpoint written")
                 break
-            if after_step(session, loop, out):
+            if after_step(session, loop, out, time_up):
                 break
         settle(session, loop)
         best = progress["best"] or {"metric": cfg.train.select_by, "value": float("nan")}
@@ -221,13 +225,11 @@ def settle(session: Session, loop: Loop) -> None:
             f"train.clip_norm > 0, or use train.precision=fp32 to rule out overflow")
 
 
-def after_step(session: Session, loop: Loop, out: dict) -> bool:
-    """Log, validate and checkpoint on their intervals; True when training must stop now. A stop signal during
-    validation abandons it for the checkpoint."""
+def after_step(session: Session, loop: Loop, out: dict, time_up: bool) -> bool:
+    """Log, validate and checkpoint on their intervals; True when training must stop now (`time_up`: the ranks agree
+    train.max_minutes is spent). A stop signal during validation abandons it for the checkpoint."""
     train_cfg, step, window = session.cfg.train, session.progress["step"], loop.window
     check_run_dir(session)
-    time_up = bool(train_cfg.max_minutes) and agree(session.progress["elapsed_s"] >= 60 * train_cfg.max_minutes,
-                                                     session.rt)
     final = step >= train_cfg.max_steps or time_up
     lr = session.scheduler.get_last_lr()[0]
     if step % train_cfg.log_every == 0 or final:
