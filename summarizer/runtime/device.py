@@ -113,7 +113,7 @@ class LateRead:
         if value.is_cuda:
             self.value = torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(value.device))  # the stream the copy was queued on
         else:
             self.value = value.detach().cpu()
 
