@@ -19,7 +19,7 @@ from summarizer.model.transformer import Seq2Seq
 from summarizer.runtime import move_batch
 from summarizer.train import loop as train_mod
 from summarizer.train import validation
-from summarizer.train.optim import build_optimizer
+from summarizer.train.optim import build_optimizer, step_if_finite
 from tests.processes import train_process, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +119,18 @@ def test_non_finite_gradients_skip_the_step(tiny_data, fused):
     out = train_mod.train_step(model, optimizer, runtime.make_scaler(rt), [batch], rt, cfg.train)
     assert out["finite"] and {float(s["step"]) for s in optimizer.state.values()} == {1.0}
     assert not torch.equal(norm, before[[p is norm for p in model.parameters()].index(True)])
+
+
+def test_the_flag_is_read_first_where_the_kernel_would_get_it_too_late():
+    """A model split between a GPU and the CPU: its CPU half's kernel would get the flag by a non-blocking copy, so
+    the flag is read first and a non-finite step never reaches the optimizer (its state is never made)."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], fused=True)
+    weight.grad = torch.ones(3)
+    step_if_finite(optimizer, torch.tensor(False), in_kernel=False)
+    assert not optimizer.state and not hasattr(optimizer, "found_inf") and torch.equal(weight, torch.ones(3))
+    step_if_finite(optimizer, torch.tensor(True), in_kernel=False)
+    assert float(optimizer.state[weight]["step"]) == 1 and not torch.equal(weight, torch.ones(3))
 
 
 def test_a_training_step_reads_nothing_back_from_the_device(tiny_data, monkeypatch):

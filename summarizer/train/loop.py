@@ -69,7 +69,7 @@ def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], r
         scaler.step(optimizer)  # skips the update by itself on inf/nan gradients
         scaler.update()
     else:
-        step_if_finite(optimizer, finite)
+        step_if_finite(optimizer, finite, in_kernel={d.type for d in rt.devices} != {"cuda", "cpu"})
     modules = stats.after_update() if stats is not None else {}
     optimizer.zero_grad(set_to_none=cfg.set_to_none)
     # Local sums; `tokens` is the global target count they are normalised by (Window all-reduces).

@@ -26,11 +26,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8, fused=fused or None)
 
 
-def step_if_finite(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+def step_if_finite(optimizer: torch.optim.Optimizer, finite: torch.Tensor, in_kernel: bool = True) -> None:
     """optimizer.step() unless `finite`, a bool on the device, is False. A fused AdamW is handed the flag as
     GradScaler hands it one (its `found_inf`) and skips the update inside its kernel: weights, moments and step
-    count untouched, and nothing read back to the host. Other optimizers read the flag first (one host sync)."""
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
+    count untouched, and nothing read back to the host. Other optimizers read the flag first (one host sync), and
+    so does any where not `in_kernel`: for a model split between a GPU and the CPU, whose CPU half would get the
+    flag by a non-blocking copy from the GPU, which its kernel could read before the copy lands."""
+    if in_kernel and getattr(optimizer, "_step_supports_amp_scaling", False):
         optimizer.found_inf = (~finite).float()
         try:
             optimizer.step()
