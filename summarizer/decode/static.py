@@ -21,6 +21,7 @@ import sys
 import torch
 from torch import Tensor
 
+from summarizer import runtime
 from summarizer.config.schema import EvalConfig
 from summarizer.data.tokenizer import BOS, EOS
 from summarizer.decode.lexicon import Lexicon
@@ -189,23 +190,16 @@ def _beam(model, state, rules: Rules, settings: EvalConfig) -> list[list[int]]:
 
 def _greedy(model, state, rules: Rules, settings: EvalConfig) -> list[list[int]]:
     """Greedy over a static batch: one `GreedyStep` a step until every row has ended, then every hypothesis read
-    back at once. On a GPU whether all have ended is read one step late: a step's answer is copied into pinned
-    memory while the next step runs, so the device never waits for the host. A row keeps its first ending; a row
+    back at once. On a GPU whether all have ended is read one step late (runtime.LateRead), while the next step
+    runs, so the device never waits for the host. A row keeps its first ending; a row
     that never ends gets nothing."""
     step_of = GreedyStep(model, state, rules, settings.max_len + 1)
-    cuda = step_of.device.type == "cuda"
-    flags = [torch.zeros((), dtype=torch.bool, pin_memory=cuda) for _ in range(2)]  # all ended, by step parity
-    events = [torch.cuda.Event() if cuda else None for _ in range(2)]
-    for step in range(settings.max_len + 1):
-        ended_at = step_of.run()
-        flags[step % 2].copy_((ended_at >= 0).all(), non_blocking=cuda)
-        if cuda:
-            events[step % 2].record()
-        if (asked := step - 1 if cuda else step) >= 0:  # on a GPU the step before's answer, given by now
-            if cuda:
-                events[asked % 2].synchronize()
-            if flags[asked % 2]:
-                break
+    late, pending = step_of.device.type == "cuda", None
+    for _ in range(settings.max_len + 1):
+        answer = runtime.LateRead((step_of.run() >= 0).all())
+        ready, pending = (pending, answer) if late else (answer, None)  # on a GPU, the step before's: given by now
+        if ready is not None and bool(ready.get()):
+            break
     table = torch.cat([step_of.ended_at[:, None], step_of.cut[:, None], step_of.prefixes], dim=1).tolist()
     return [ids[1:end][:end - 1 - cut] if end > 0 else [] for end, cut, *ids in table]
 

@@ -57,6 +57,7 @@ class MovingAverage(AveragedModel):
             getattr(mine, name).copy_(getattr(theirs, name))
         self.n_averaged += 1
 
+
 def build_ema(model: nn.Module, decay: float, state: dict | None, max_steps: int) -> MovingAverage | None:
     """The moving average of `model`'s weights at train.ema_decay (0 = none), restored from a checkpoint's `state`
     when it holds one. Step checkpoints hold both it and the raw weights (eval.checkpoint=ckpt_*.pt and `average`
