@@ -12,9 +12,10 @@
 # Environment: PYTHON, OUT (default gpu_check_out, must not hold an earlier check), GPU_CHECK_STEPS (300),
 # GPU_CHECK_CONFIG (configs/base.yaml; configs/tiny.yaml on a CPU), GPU_CHECK_SECONDS (450: parts are
 # skipped once it is spent), GPU_CHECK_PARTS ("1 2 3 4 5 6": the parts to run; 3 and 6 decode part 1's fp32 run),
-# GPU_CHECK_PRECISIONS ("fp32 bf16 fp16 auto": part 1's runs),
-# GPU_CHECK_GW_RUNS ("bf16 fp32 bf16_compile bf16_graphs": part 5's runs; also fp32_compile, fp32_graphs, and any
-# of them with _b<tokens>, another data.batch_tokens),
+# GPU_CHECK_PRECISIONS ("fp32 bf16 fp16 auto bf16_captured": part 1's runs; <precision>_captured: with
+# train.cuda_graphs=true),
+# GPU_CHECK_GW_RUNS ("bf16 fp32 bf16_compile bf16_graphs bf16_captured": part 5's runs; also fp32_compile,
+# fp32_graphs, fp32_captured, and any of them with _b<tokens>, another data.batch_tokens),
 # GPU_CHECK_GW_MINUTES (0.6 per eager run), GPU_CHECK_GW_STEPS (600 per compiled run), GPU_CHECK_GW_PAIRS (100000),
 # GPU_CHECK_GW_DATA (part 5's synthetic pairs already prepared with configs/gigaword.yaml, for a machine without the
 # `datasets` package data_prep needs).
@@ -82,10 +83,11 @@ step() {  # step PART LABEL SECONDS COMMAND...: run it under a timeout cut to wh
 TRAIN=("$PY" -m summarizer train "${COMMON[@]}")
 
 # 1. The recipe from a cold start in each precision, each in its own process; auto: what it chose (on a GPU, by a
-# probe timing fp32 against bf16 on the run's first batches) and whether it trains as fast as the faster of the two.
-for p in ${GPU_CHECK_PRECISIONS:-fp32 bf16 fp16 auto}; do
-  step 1 "train $p" 120 "${TRAIN[@]}" "run.name=gc_$p" "run.dir=$OUT/train/$p" "train.precision=$p" \
-    $(schedule "$STEPS" "$LOG")
+# probe timing fp32 against bf16 on the run's first batches) and whether it trains as fast as the faster of the two;
+# <precision>_captured: each batch shape's whole step captured as a CUDA graph and replayed (train.cuda_graphs).
+for p in ${GPU_CHECK_PRECISIONS:-fp32 bf16 fp16 auto bf16_captured}; do
+  step 1 "train $p" 120 "${TRAIN[@]}" "run.name=gc_$p" "run.dir=$OUT/train/$p" "train.precision=${p%_captured}" \
+    "train.cuda_graphs=$([ "$p" != "${p%_captured}" ] && echo true || echo false)" $(schedule "$STEPS" "$LOG")
 done
 
 # 3. The fp32 run's best.pt decoded on the test split at beam 4 and greedy: the dynamic fp32 search (the reference),
@@ -110,9 +112,10 @@ else
 fi
 
 # 5. gigaword.yaml's model (60M parameters, 16k-token batches, 32k vocabulary) on synthetic pairs (GPU_CHECK_GW_RUNS):
-# bf16 and fp32 eager, bf16 compiled (<precision>_compile) and compiled with CUDA graphs (<precision>_graphs:
-# train.compile_mode=reduce-overhead); a suffix _b<tokens> sets data.batch_tokens (bf16_b65536: what a larger batch
-# does to MFU). An eager run trains for GPU_CHECK_GW_MINUTES (up to 200 s in all); a compiled
+# bf16 and fp32 eager, bf16 compiled (<precision>_compile), compiled with CUDA graphs (<precision>_graphs:
+# train.compile_mode=reduce-overhead), and eager with each batch shape's whole step captured as a CUDA graph
+# (<precision>_captured: train.cuda_graphs=true); a suffix _b<tokens> sets data.batch_tokens (bf16_b65536: what a
+# larger batch does to MFU). An eager or captured run trains for GPU_CHECK_GW_MINUTES (up to 200 s in all); a compiled
 # one for GPU_CHECK_GW_STEPS steps whatever its compilation takes (up to 300 s in all; its log says how long the first
 # step compiled and what recompiled). The report's figures are the last third of each run's steps.
 SYN=${GPU_CHECK_GW_DATA:-$OUT/synthetic/data}
@@ -124,13 +127,15 @@ if [ "$DEV" = cuda ]; then
         --pairs "${GPU_CHECK_GW_PAIRS:-100000}" &&
       step 5 "prep 32k vocabulary" 150 "$PY" -m data_prep --config configs/gigaword.yaml \
         "data.source=$OUT/synthetic/pairs" "data.dir=$SYN"; }; } &&
-    for v in ${GPU_CHECK_GW_RUNS:-bf16 fp32 bf16_compile bf16_graphs}; do
-      steps=${GPU_CHECK_GW_STEPS:-600} minutes=0 limit=300
+    for v in ${GPU_CHECK_GW_RUNS:-bf16 fp32 bf16_compile bf16_graphs bf16_captured}; do
+      steps=${GPU_CHECK_GW_STEPS:-600} minutes=0 limit=300 captured=false
       case ${v%_b[0-9]*} in *_compile) compiled=true mode=default ;; *_graphs) compiled=true mode=reduce-overhead ;;
         *) compiled=false mode=default steps=100000 minutes=${GPU_CHECK_GW_MINUTES:-0.6} limit=200 ;; esac
+      case ${v%_b[0-9]*} in *_captured) captured=true ;; esac
       case $v in *_b[0-9]*) batch=(data.batch_tokens="${v##*_b}") ;; *) batch=() ;; esac
       step 5 "gigaword $v" "$limit" "${GW[@]}" "run.name=gc_gigaword_$v" "run.dir=$OUT/gigaword/$v" "train.precision=${v%%_*}" \
-        "train.compile=$compiled" "train.compile_mode=$mode" "train.max_minutes=$minutes" "${batch[@]}" \
+        "train.compile=$compiled" "train.compile_mode=$mode" "train.cuda_graphs=$captured" \
+        "train.max_minutes=$minutes" "${batch[@]}" \
         $(schedule "$steps" 50)
     done
 else

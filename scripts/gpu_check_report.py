@@ -68,19 +68,23 @@ def chosen(run_dir: Path) -> tuple[str, str | None]:
 
 def train_rows(out: Path) -> tuple[list[tuple], list[str]]:
     """Part 1: each precision's tokens/s early and late, loss and MFU, as a ratio to fp32's; `auto` is labelled
-    with the precision it chose, and its probe's timings (on a GPU) are a note."""
-    runs = {p: s for p in ("fp32", "bf16", "fp16", "auto") if (s := run_summary(out / "train" / p))}
+    with the precision it chose, and its probe's timings (on a GPU) are a note; <precision>_captured is that
+    precision with train.cuda_graphs."""
+    names = ("fp32", "bf16", "fp16", "auto")
+    names += tuple(f"{p}_captured" for p in names)
+    runs = {p: s for p in names if (s := run_summary(out / "train" / p))}
     base, rows, notes = runs.get("fp32", {}), [], []
     for p, s in runs.items():
-        if p == "auto":
+        label = p.replace("_captured", ", train.cuda_graphs=true")
+        if p.startswith("auto"):
             precision, times = chosen(out / "train" / p)
-            p = f"auto ({precision})"
-            notes.append(f"{PARTS[1]}, train.precision=auto: {precision}, "
+            notes.append(f"{PARTS[1]}, train.precision={label}: {precision}, "
                          + (f"by the probe's timings of forward and backward: {times}" if times else "by rule"))
+            label = label.replace("auto", f"auto ({precision})")
         figures = [("first", f"tokens/s, steps {s['first_steps']}"), ("later", f"tokens/s, steps {s['later_steps']}"),
                    ("loss", f"loss at step {s['last_step']}"), ("mfu", f"MFU, steps {s['later_steps']}")]
-        rows += [(PARTS[1], f"train.precision={p}: {label}", s[key],
-                  None if key in NO_RATIO else ratio(s[key], base.get(key))) for key, label in figures if key in s]
+        rows += [(PARTS[1], f"train.precision={label}: {what}", s[key],
+                  None if key in NO_RATIO else ratio(s[key], base.get(key))) for key, what in figures if key in s]
     return rows, notes
 
 

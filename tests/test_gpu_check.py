@@ -50,6 +50,7 @@ def test_report_rows_from_hand_written_runs(tmp_path):
     write_metrics(out / "train" / "fp32", dict(zip(steps, [100, 200, 300, 300, 400, 400], strict=True)), mfu=0.1)
     write_metrics(out / "train" / "bf16", dict(zip(steps, [200, 400, 600, 600, 800, 800], strict=True)), mfu=0.05)
     write_metrics(out / "train" / "auto", dict(zip(steps, [200, 400, 600, 600, 800, 800], strict=True)))
+    write_metrics(out / "train" / "bf16_captured", dict(zip(steps, [300, 800, 1200, 1200, 1600, 1600], strict=True)))
     (out / "train" / "auto" / "manifest.json").write_text(json.dumps({"precision": "bf16", "precision_probe": {
         "precision": "bf16", "device": "NVIDIA H100", "ms": {"fp32": 41.5, "bf16": 30.0}}}))
     (out / "bench").mkdir(parents=True)
@@ -88,6 +89,9 @@ def test_report_rows_from_hand_written_runs(tmp_path):
         ("1 train", "train.precision=auto (bf16): tokens/s, steps 1-100", 300, 2.0),
         ("1 train", "train.precision=auto (bf16): tokens/s, steps 201-300", 800, 2.0),
         ("1 train", "train.precision=auto (bf16): loss at step 300", round(10 / 300, 4), 1.0),
+        ("1 train", "train.precision=bf16, train.cuda_graphs=true: tokens/s, steps 1-100", 550, 3.6667),
+        ("1 train", "train.precision=bf16, train.cuda_graphs=true: tokens/s, steps 201-300", 1600, 4.0),
+        ("1 train", "train.precision=bf16, train.cuda_graphs=true: loss at step 300", round(10 / 300, 4), 1.0),
         ("2 bench", "precision_bf16 (tokens/s, on)", 900, 2.0),
         ("3 eval", "beam4, fp32, static shapes, batch 131072 (beam4_auto_auto): sentences/s", 100, 2.0),
         ("3 eval", "beam4, fp32, static shapes, batch 131072 (beam4_auto_auto): ROUGE-1 F", 30, 1.0),

@@ -116,6 +116,9 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
             t(("data", "pin_memory", True)), t(("data", "pin_memory", False))))
         table["cudnn_benchmark"] = ("cudnn.benchmark on vs off", "tokens/s", "higher", pair(
             t(("system", "cudnn_benchmark", True)), t(("system", "cudnn_benchmark", False))))
+        table["cuda_graphs"] = ("each batch shape's whole step replayed as a CUDA graph vs launched from Python, "
+                                "second epoch", "tokens/s", "higher", steady(t(("train", "cuda_graphs", True)),
+                                                                             t(("train", "cuda_graphs", False))))
     if cuda and torch.cuda.device_count() >= 2:
         split = (("placement", "encoder_device", "cuda:0"), ("placement", "decoder_device", "cuda:1"))
         table["pipeline_chunks"] = ("encoder/decoder on two GPUs: 4 pipeline chunks vs 1", "tokens/s", "higher",
@@ -134,7 +137,7 @@ NOT_HERE = {"precision_bf16": "no fast bf16 on this device", "decode_bf16": "no 
             "precision_bf16_epoch2": "no fast bf16 on this device", "precision_fp16": "needs CUDA",
             "precision_fp16_epoch2": "needs CUDA",
             "pin_memory": "needs CUDA (pinning only speeds up host-to-GPU copies)",
-            "cudnn_benchmark": "needs CUDA", "kernel_cache": "a CPU (oneDNN) setting",
+            "cudnn_benchmark": "needs CUDA", "cuda_graphs": "needs CUDA", "kernel_cache": "a CPU (oneDNN) setting",
             "decode_int8": "a CPU decoding mode (int8 linear layers)",
             "pipeline_chunks": "needs two GPUs", "summarize": "needs trained weights (bench.checkpoint, or best.pt)",
             "memory_precision": "no 16-bit mode worth measuring on this device"}

@@ -18,6 +18,7 @@ from summarizer.data.batches import PairDataset, TokenBatchSampler, make_loader,
 from summarizer.data.prepared import read_meta
 from summarizer.runtime import move_batch
 from summarizer.train import precision
+from summarizer.train.graphs import step_function
 from summarizer.train.loop import train_step
 from summarizer.train.session import batches_forever, build
 from summarizer.train.watch.flops import batch_flops
@@ -68,6 +69,7 @@ class TrainingProbe:
             self.rt.precision = precision.choose(model, ds, bucketed, cfg.data, self.rt,
                                                  cfg.train)["precision"]
             self.scaler = runtime.make_scaler(self.rt)
+        self.step = step_function(train_step, self.model, self.optimizer, self.rt, cfg.train)[0]
         first_epoch = sampler.plan(0)
         self.padding = padding_fraction(first_epoch, ds.src_lens, ds.tgt_lens)
         self.epoch_steps = len(first_epoch)
@@ -84,8 +86,8 @@ class TrainingProbe:
             micro = [move_batch(batch, rt.device) for batch in fetched]
             self.steps += 1
             logged = self.stats is not None and self.steps % self.cfg.train.log_every == 0
-            out = train_step(self.model, self.optimizer, self.scaler, micro, rt, self.cfg.train,
-                             self.stats if logged else None)
+            out = self.step(self.model, self.optimizer, self.scaler, micro, rt, self.cfg.train,
+                            self.stats if logged else None)
             if self.stats is not None:
                 sum(batch_flops(self.cfg.model, self.vocab_size, batch)[0] for batch in fetched)
             tokens += sum(b["n_src"] + b["n_tgt"] for b in micro)

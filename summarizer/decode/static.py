@@ -15,7 +15,6 @@ dynamic: finished sentences leaving the batch save more work (`search.static_sha
 """
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
@@ -33,13 +32,6 @@ from summarizer.decode.rules import (
     ranked_ends,
     top_candidates,
 )
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream warm-up steps run on, one per device for the process: memory the caching allocator files
-    under a stream is reused only by that stream, so a new stream per batch would strand each one's blocks."""
-    return torch.cuda.Stream(device)
 
 
 class Replayed:
@@ -87,7 +79,7 @@ class Replayed:
             return self._run()
         if self.calls < self.warmup:
             self.calls += 1
-            side, current = _side_stream(self.device), torch.cuda.current_stream(self.device)
+            side, current = runtime.side_stream(self.device), torch.cuda.current_stream(self.device)
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 out = self._run()

@@ -6,7 +6,7 @@ import os
 import random
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import numpy as np
 import torch
@@ -55,11 +55,14 @@ class Runtime:
 
     def compute(self) -> contextlib.ExitStack:
         """The context every forward pass runs in: autocast to the run's precision (matmuls in 16 bit,
-        reductions and norms kept in fp32 by torch.amp) and the attention kernel choice."""
+        reductions and norms kept in fp32 by torch.amp) and the attention kernel choice. While a CUDA graph is
+        captured, autocast keeps no cache of cast weights (torch's CUDA graph notes ask for cache_enabled=False)."""
         stack = contextlib.ExitStack()
         if self.precision != "fp32":
             for device_type in {self.device.type, self.decoder_device.type}:
-                stack.enter_context(torch.autocast(device_type=device_type, dtype=self.dtype))
+                capturing = device_type == "cuda" and torch.cuda.is_current_stream_capturing()
+                stack.enter_context(torch.autocast(device_type=device_type, dtype=self.dtype,
+                                                   cache_enabled=not capturing))
         backends = attention_kernels(self.sdpa_backend, {self.device.type, self.decoder_device.type})
         if backends == "explicit":
             stack.enter_context(explicit_attention())
@@ -93,6 +96,14 @@ def move(x: Tensor, device: torch.device) -> Tensor:
 def move_batch(batch: dict, device: torch.device) -> dict:
     """A collated batch's id tensors to `device` (non-blocking from pinned memory); token counts stay ints."""
     return {key: move(value, device) if torch.is_tensor(value) else value for key, value in batch.items()}
+
+
+@cache
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream warm-up steps and CUDA graph captures run on, one per device for the process (torch's CUDA graph
+    notes ask for warm-up on a side stream): memory the caching allocator files under a stream is reused only by
+    that stream, so a new stream per capture would strand each one's blocks."""
+    return torch.cuda.Stream(device)
 
 
 def device_tensor(values, device: torch.device) -> Tensor:

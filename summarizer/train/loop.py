@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 from summarizer import runtime
 from summarizer.config.schema import Config, TrainConfig
 from summarizer.runtime import Runtime, move_batch
+from summarizer.train.graphs import step_function
 from summarizer.train.guard import (
     ChildSignals,
     Consensus,
@@ -39,15 +41,18 @@ from summarizer.train.watch.nonfinite import first_nonfinite
 
 
 def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], rt: Runtime,
-               cfg: TrainConfig, stats: ModuleStats | None = None) -> dict:
+               cfg: TrainConfig, stats: ModuleStats | None = None, scale: torch.Tensor | None = None) -> dict:
     """One optimizer step over k micro-batches. Returns tensors, `finite` among them (the gradients were finite and
     the update was made): nothing here reads the device, so the host queues the next step while this one runs,
     except where `stats` are given (their one read, as out["modules"]) and where the optimizer is not fused (it
-    reads `finite` before it steps; so does GradScaler's step with one)."""
+    reads `finite` before it steps; so does GradScaler's step with one). `scale`, what the summed losses are
+    multiplied by, is world size / the global target tokens unless given (a tensor a CUDA graph reads: graphs.py)."""
     total = sum(b["n_tgt"] for b in micro_batches)
     if rt.distributed:  # every rank divides by the global token count, so DDP's mean is the exact mean; it stays
         # on the device (a tensor), so summing it across ranks costs no host sync
         total = runtime.all_reduce_sum(runtime.device_tensor(float(total), rt.device), rt)
+    if scale is None:
+        scale = rt.world_size / total
     losses, nlls = [], []
     for i, batch in enumerate(micro_batches):
         # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
@@ -56,7 +61,7 @@ def train_step(model: nn.Module, optimizer, scaler, micro_batches: list[dict], r
             with rt.compute():
                 out = model(batch["src_ids"], batch["tgt_in"])  # logits (B, T, V) [+ copy attention, gate]
             loss, nll = smoothed_nll(out, batch["tgt_out"], batch["src_ids"], cfg.label_smoothing, cfg.fused_loss)
-            scaler.scale(loss * (rt.world_size / total)).backward()
+            scaler.scale(loss * scale).backward()
         losses.append(loss.detach())
         nlls.append(nll)
         del out, loss  # drop graph references before the next micro-batch allocates its own
@@ -101,6 +106,7 @@ class Loop:
     compiling: bool = False  # train.compile: this process's first step compiles the model, and says how long it took
     unread: Unread | None = None
     consensus: Consensus | None = None  # the ranks' agreement to stop (a signal, the time limit)
+    step: Callable[..., dict] = train_step  # or its CUDA graphs (train.cuda_graphs: graphs.py)
 
 
 def start_loop(session: Session) -> Loop:
@@ -115,10 +121,13 @@ def start_loop(session: Session) -> Loop:
     if train_cfg.compile:
         session.monitor.write(f"torch.compile ({train_cfg.compile_mode}): the first step compiles the model, for "
                               f"minutes on a large model; a recompilation is printed with its cause")
+    step, note = step_function(train_step, session.model, session.optimizer, rt, train_cfg)
+    if note:
+        session.monitor.write(note)
     return Loop(StopFlag(), ChildSignals(), Window(rt, peak_flops=peak), profiler,
                 time.perf_counter() - session.progress["elapsed_s"],
                 ModuleStats(session.model) if train_cfg.module_stats else None, compiling=train_cfg.compile,
-                consensus=Consensus(rt))
+                consensus=Consensus(rt), step=step)
 
 
 def train(cfg: Config) -> dict:
@@ -175,8 +184,8 @@ def step_once(session: Session, fetched: list, data_s: float, loop: Loop) -> dic
     started = time.perf_counter()
     try:
         logged = (progress["step"] + 1) % train_cfg.log_every == 0
-        out = train_step(session.model, session.optimizer, session.scaler, micro, rt, train_cfg,
-                         loop.module_stats if logged else None)
+        out = loop.step(session.model, session.optimizer, session.scaler, micro, rt, train_cfg,
+                        loop.module_stats if logged else None)
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise out_of_memory(exc, micro, session.cfg, rt, progress["step"]) from None
     if loop.compiling:
