@@ -14,8 +14,8 @@
 # skipped once it is spent), GPU_CHECK_PARTS ("1 2 3 4 5 6": the parts to run; 3 and 6 decode part 1's fp32 run),
 # GPU_CHECK_PRECISIONS ("fp32 bf16 fp16 auto bf16_captured": part 1's runs; <precision>_captured: with
 # train.cuda_graphs=true),
-# GPU_CHECK_GW_RUNS ("bf16 fp32 bf16_compile bf16_graphs bf16_captured": part 5's runs; also fp32_compile,
-# fp32_graphs, fp32_captured, and any of them with _b<tokens>, another data.batch_tokens),
+# GPU_CHECK_GW_RUNS ("bf16 fp32 bf16_compile bf16_graphs bf16_captured bf16_compile_captured": part 5's runs; also
+# fp32_compile, fp32_graphs, fp32_captured, and any of them with _b<tokens>, another data.batch_tokens),
 # GPU_CHECK_GW_MINUTES (0.6 per eager run), GPU_CHECK_GW_STEPS (600 per compiled run), GPU_CHECK_GW_PAIRS (100000),
 # GPU_CHECK_GW_DATA (part 5's synthetic pairs already prepared with configs/gigaword.yaml, for a machine without the
 # `datasets` package data_prep needs).
@@ -114,8 +114,9 @@ fi
 # 5. gigaword.yaml's model (60M parameters, 16k-token batches, 32k vocabulary) on synthetic pairs (GPU_CHECK_GW_RUNS):
 # bf16 and fp32 eager, bf16 compiled (<precision>_compile), compiled with CUDA graphs (<precision>_graphs:
 # train.compile_mode=reduce-overhead), and eager with each batch shape's whole step captured as a CUDA graph
-# (<precision>_captured: train.cuda_graphs=true); a suffix _b<tokens> sets data.batch_tokens (bf16_b65536: what a
-# larger batch does to MFU). An eager or captured run trains for GPU_CHECK_GW_MINUTES (up to 200 s in all); a compiled
+# (<precision>_captured: train.cuda_graphs=true), the last two together (<precision>_compile_captured: compiled
+# layers inside the captured step); a suffix _b<tokens> sets data.batch_tokens (bf16_b65536: what a larger batch does
+# to MFU). An eager or captured run trains for GPU_CHECK_GW_MINUTES (up to 200 s in all); a compiled
 # one for GPU_CHECK_GW_STEPS steps whatever its compilation takes (up to 300 s in all; its log says how long the first
 # step compiled and what recompiled). The report's figures are the last third of each run's steps.
 SYN=${GPU_CHECK_GW_DATA:-$OUT/synthetic/data}
@@ -127,11 +128,12 @@ if [ "$DEV" = cuda ]; then
         --pairs "${GPU_CHECK_GW_PAIRS:-100000}" &&
       step 5 "prep 32k vocabulary" 150 "$PY" -m data_prep --config configs/gigaword.yaml \
         "data.source=$OUT/synthetic/pairs" "data.dir=$SYN"; }; } &&
-    for v in ${GPU_CHECK_GW_RUNS:-bf16 fp32 bf16_compile bf16_graphs bf16_captured}; do
+    for v in ${GPU_CHECK_GW_RUNS:-bf16 fp32 bf16_compile bf16_graphs bf16_captured bf16_compile_captured}; do
       steps=${GPU_CHECK_GW_STEPS:-600} minutes=0 limit=300 captured=false
-      case ${v%_b[0-9]*} in *_compile) compiled=true mode=default ;; *_graphs) compiled=true mode=reduce-overhead ;;
-        *) compiled=false mode=default steps=100000 minutes=${GPU_CHECK_GW_MINUTES:-0.6} limit=200 ;; esac
       case ${v%_b[0-9]*} in *_captured) captured=true ;; esac
+      case ${v%_b[0-9]*} in *_compile|*_compile_captured) compiled=true mode=default ;;
+        *_graphs) compiled=true mode=reduce-overhead ;;
+        *) compiled=false mode=default steps=100000 minutes=${GPU_CHECK_GW_MINUTES:-0.6} limit=200 ;; esac
       case $v in *_b[0-9]*) batch=(data.batch_tokens="${v##*_b}") ;; *) batch=() ;; esac
       step 5 "gigaword $v" "$limit" "${GW[@]}" "run.name=gc_gigaword_$v" "run.dir=$OUT/gigaword/$v" "train.precision=${v%%_*}" \
         "train.compile=$compiled" "train.compile_mode=$mode" "train.cuda_graphs=$captured" \

@@ -42,6 +42,7 @@ def train_on(cfg, rt, batches, graphed: bool, capture: bool = False, reload_at: 
     """ORDER's steps from one seed: each step's outputs, the model, the optimizer and the step function."""
     torch.manual_seed(0)
     model = Seq2Seq(cfg.model, 192).to(rt.device)
+    trained = runtime.compile_model(model) if cfg.train.compile else model
     optimizer, scaler = build_optimizer(model, cfg.train), runtime.make_scaler(rt)
     scheduler = build_scheduler(optimizer, cfg.train)
     step = step or train_mod.train_step
@@ -50,7 +51,7 @@ def train_on(cfg, rt, batches, graphed: bool, capture: bool = False, reload_at: 
     for i, which in enumerate(ORDER):
         if i == reload_at:  # as a rollback does: the optimizer's state becomes new tensors
             optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-        out = run(model, optimizer, scaler, [batches[which]], rt, cfg.train)
+        out = run(trained, optimizer, scaler, [batches[which]], rt, cfg.train)
         assert all(isinstance(g["lr"], float) and not g["capturable"] for g in optimizer.param_groups)
         scheduler.step()
         outs.append({k: out[k].detach().clone() for k in ("loss_sum", "nll_sum", "grad_norm", "finite")})
@@ -86,7 +87,11 @@ def test_what_runs_eagerly_and_why(tiny_data):
     assert "one GPU" in unsupported(Runtime(gpu, gpu1, "bf16"), cfg.train, fused)
     assert "DDP" in unsupported(Runtime(gpu, gpu, "bf16", world_size=2), cfg.train, fused)
     assert "accum_steps" in unsupported(one_gpu, make_cfg(tiny_data, "train.accum_steps=2").train, fused)
-    assert "reduce-overhead" in unsupported(one_gpu, make_cfg(tiny_data, "train.compile=true").train, fused)
+    compiled = make_cfg(tiny_data, "train.compile=true").train  # compiled layers inside the captured step
+    assert unsupported(one_gpu, compiled, fused) == ""
+    for mode in ("reduce-overhead", "max-autotune"):  # torch.compile captures graphs of its own
+        compiled.compile_mode = mode
+        assert "torch.compile's own CUDA graphs" in unsupported(one_gpu, compiled, fused)
     assert "fused_optimizer" in unsupported(one_gpu, cfg.train, plain)
     assert step_function(train_mod.train_step, model, fused, one_gpu, cfg.train) == (train_mod.train_step, "")
     on = make_cfg(tiny_data, "train.cuda_graphs=true").train
@@ -104,11 +109,13 @@ def test_a_run_asking_for_graphs_where_none_can_be_says_so_and_trains(tiny_data,
 
 
 @CUDA
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_replayed_graphs_train_as_the_eager_step_does_on_a_gpu(tiny_data, precision):
+@pytest.mark.parametrize("precision,compiled", [("fp32", False), ("bf16", False), ("fp16", False), ("bf16", True)])
+def test_replayed_graphs_train_as_the_eager_step_does_on_a_gpu(tiny_data, precision, compiled):
     """Captured graphs, one per batch shape, replayed in another order than captured (they share one memory pool):
-    the same outputs and weights as the eager step, within the GPU's run-to-run rounding (atomic adds)."""
-    cfg = make_cfg(tiny_data, f"train.precision={precision}", "system.device=cuda:0", "model.dropout=0.0")
+    the same outputs and weights as the eager step, within the GPU's run-to-run rounding (atomic adds); with
+    compiled layers too (train.compile, torch.compile's default mode)."""
+    cfg = make_cfg(tiny_data, f"train.precision={precision}", "system.device=cuda:0", "model.dropout=0.0",
+                   f"train.compile={str(compiled).lower()}")
     rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
     batches = shaped_batches(tiny_data, cfg, rt.device)
     eager, model_e, _, _ = train_on(cfg, rt, batches, graphed=False, reload_at=6)

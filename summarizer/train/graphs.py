@@ -34,8 +34,8 @@ def unsupported(rt: Runtime, cfg: TrainConfig, optimizer: torch.optim.Optimizer)
         return "DDP's gradient hooks are not captured here; each rank steps eagerly"
     if cfg.accum_steps != 1:
         return "train.accum_steps > 1"
-    if cfg.compile:
-        return "train.compile: use train.compile_mode=reduce-overhead, torch.compile's own CUDA graphs"
+    if cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
+        return f"train.compile_mode={cfg.compile_mode} replays torch.compile's own CUDA graphs"
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return "the optimizer reads the finiteness flag before it steps (train.fused_optimizer=false)"
     return ""
