@@ -62,8 +62,7 @@ class StepGraphs:
     def __call__(self, model: nn.Module, optimizer, scaler, micro_batches: list[dict], rt: Runtime,
                  cfg: TrainConfig, stats=None) -> dict:
         batch = micro_batches[0]
-        ready = len(optimizer.state) == sum(len(g["params"]) for g in optimizer.param_groups)
-        if stats is not None or not ready or self.calls < self.warmup:
+        if stats is not None or not optimizer.state or self.calls < self.warmup:  # state made outside the graphs
             self.calls += 1
             if stats is not None or not self.capture:
                 return self.step(model, optimizer, scaler, micro_batches, rt, cfg, stats)
@@ -121,9 +120,14 @@ class StepGraphs:
         side_stream(self.device).wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.graph(graph, pool=self.pool, stream=side_stream(self.device),
                               capture_error_mode="thread_local"):  # DataLoader's pinning thread goes on
+            made = set(optimizer.state)
             outputs = self._captured_step(model, optimizer, scaler, {**batch, **inputs}, rt, cfg)
         for p in model.parameters():
             p.grad = None  # the graph's memory: what the next replay of any graph overwrites
+        if new := [p for p in optimizer.state if p not in made]:  # made in the capture: never initialised
+            for p in new:
+                del optimizer.state[p]
+            raise RuntimeError("a parameter without optimizer state until now got a gradient in the captured step")
         return graph, inputs, outputs
 
     def _give_up(self, exc: Exception, model: nn.Module, scaler) -> None:
