@@ -162,4 +162,4 @@ def test_a_run_with_graphs_logs_the_losses_of_one_without(tiny_data, tmp_path, c
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         losses.append([r["loss"] for r in map(json.loads, lines) if r["split"] == "train"])
     assert "each batch shape's whole step is captured" in capsys.readouterr().err
-    assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-3)
