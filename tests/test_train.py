@@ -1,9 +1,11 @@
 import functools
 import gzip
 import json
+import multiprocessing
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -312,6 +314,25 @@ def test_a_worker_that_dies_handing_over_a_batch_is_a_dead_worker_too(tiny_data,
     monkeypatch.setattr(train_mod, "open_session", breaking)
     cfg = make_cfg(tiny_data, tmp_path / "run", "train.max_steps=100", "data.num_workers=1")
     with pytest.raises(guard.TrainingAborted, match="died while handing over a batch.*ConnectionResetError"):
+        train_mod.train(cfg)
+    assert json.loads((tmp_path / "run" / "latest.json").read_text())["step"] == 6
+
+
+def test_a_worker_that_dies_while_a_step_is_logged_is_a_dead_worker_too(tiny_data, tmp_path, monkeypatch):
+    """SIGCHLD comes whenever a worker dies, and the DataLoader's handler raises wherever the main thread is: one
+    that comes while a step is logged (or validated, or checkpointed) is acted on at the next fetch, as one that
+    comes during the step: the checkpoint, the message, no traceback."""
+    from summarizer.train import guard
+    logged = train_mod.after_step
+
+    def killing(session, loop, out, time_up):
+        if session.progress["step"] == 6:
+            os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+            time.sleep(0.5)  # SIGCHLD arrives here (not reaped: the DataLoader's handler must see the worker)
+        return logged(session, loop, out, time_up)
+    monkeypatch.setattr(train_mod, "after_step", killing)
+    cfg = make_cfg(tiny_data, tmp_path / "run", "train.max_steps=100", "data.num_workers=2")
+    with pytest.raises(guard.TrainingAborted, match="DataLoader worker .* is killed by signal"):
         train_mod.train(cfg)
     assert json.loads((tmp_path / "run" / "latest.json").read_text())["step"] == 6
 

@@ -74,9 +74,11 @@ class StopFlag:
 
 
 class ChildSignals:
-    """A DataLoader worker's death (SIGCHLD) is acted on between steps, never inside one: the DataLoader's
-    handler raises wherever the main thread happens to be, and an error between the optimizer's update and
-    the step's bookkeeping would leave weights and data position out of step with each other."""
+    """A DataLoader worker's death (SIGCHLD) is acted on before the next batch is fetched, never elsewhere: the
+    DataLoader's handler raises wherever the main thread happens to be. Inside a step, an error between the
+    optimizer's update and the step's bookkeeping would leave weights and data position out of step with each
+    other; while a step is logged, validated or checkpointed it would end the run with a traceback, not as a
+    dead worker (checkpoint, message, exit 2)."""
 
     def __init__(self):
         self.pending, self._previous = False, None

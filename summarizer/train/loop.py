@@ -146,18 +146,20 @@ def train(cfg: Config) -> dict:
                     raise
                 dead_worker(session, loop.stop, exc)
                 break
-            with loop.children.deferred():
+            with loop.children.deferred():  # from here to the next fetch: logging, validation, checkpoints too
                 out = step_once(session, fetched, time.perf_counter() - fetch_started, loop)
-            if out is None:  # a loss spike rolled the run back to its newest checkpoint
-                continue
-            minutes = cfg.train.max_minutes
-            stop, time_up = loop.consensus(loop.stop.requested, bool(minutes) and progress["elapsed_s"] >= 60 * minutes)
-            if stop:  # the finished step's checkpoint first, and nothing else
-                save_now(session)
-                session.monitor.write(f"stopping at step {progress['step']}: {loop.stop.name}; checkpoint written")
-                break
-            if after_step(session, loop, out, time_up):
-                break
+                if out is None:  # a loss spike rolled the run back to its newest checkpoint
+                    continue
+                minutes = cfg.train.max_minutes
+                stop, time_up = loop.consensus(loop.stop.requested,
+                                               bool(minutes) and progress["elapsed_s"] >= 60 * minutes)
+                if stop:  # the finished step's checkpoint first, and nothing else
+                    save_now(session)
+                    session.monitor.write(f"stopping at step {progress['step']}: {loop.stop.name}; checkpoint "
+                                          f"written")
+                    break
+                if after_step(session, loop, out, time_up):
+                    break
         settle(session, loop)
         best = progress["best"] or {"metric": cfg.train.select_by, "value": float("nan")}
         session.monitor.hparams(flatten(cfg), {f"best/{best['metric']}": best["value"],
