@@ -1,7 +1,6 @@
 import functools
 import gzip
 import json
-import multiprocessing
 import os
 import re
 import signal
@@ -327,7 +326,7 @@ def test_a_worker_that_dies_while_a_step_is_logged_is_a_dead_worker_too(tiny_dat
 
     def killing(session, loop, out, time_up):
         if session.progress["step"] == 6:
-            os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+            os.kill(session.train_loader._iterator._workers[0].pid, signal.SIGKILL)
             time.sleep(0.5)  # SIGCHLD arrives here (not reaped: the DataLoader's handler must see the worker)
         return logged(session, loop, out, time_up)
     monkeypatch.setattr(train_mod, "after_step", killing)
@@ -626,3 +625,25 @@ def test_each_log_interval_reports_its_own_peak_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset.append)
     reset_peak_memory(torch.device("cuda", 1))
     assert reset == [torch.device("cuda", 1)]
+
+
+def test_a_validation_worker_that_dies_during_validation_is_a_dead_worker_too(tiny_data, tmp_path, monkeypatch):
+    """The validation loader's workers die as the training loader's do (the out-of-memory killer): during a
+    validation that is the same checkpoint and message, not a traceback."""
+    from summarizer.train import guard
+    measured = validation.evaluate_loss
+
+    def killing(model, loader, *args):
+        """The validation loss over a loader one of whose workers is killed after its first batch."""
+        def batches():
+            for i, batch in enumerate(loader):
+                if i == 1:
+                    os.kill(loader._iterator._workers[0].pid, signal.SIGKILL)
+                yield batch
+        return measured(model, batches(), *args)
+    monkeypatch.setattr(validation, "evaluate_loss", killing)
+    cfg = make_cfg(tiny_data, tmp_path / "run", "train.max_steps=100", "train.eval_every=6", "data.num_workers=2",
+                   "data.batch_tokens=200", "train.rouge_every=0", "train.select_by=loss")
+    with pytest.raises(guard.TrainingAborted, match="DataLoader worker"):
+        train_mod.train(cfg)
+    assert json.loads((tmp_path / "run" / "latest.json").read_text())["step"] == 6

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import random
 import signal
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -55,16 +56,26 @@ def stop_workers(*loaders: DataLoader) -> None:
     this calls the iterator's own (`_shutdown_workers`: the workers leave torch's watch list and are asked to
     exit), then SIGKILLs any that did not: workers ignore SIGTERM, which is all that shutdown and
     multiprocessing's exit handler send before waiting for a worker to end, so a stuck one would be waited on
-    forever at exit."""
-    for loader in loaders:
-        iterator, loader._iterator = getattr(loader, "_iterator", None), None
-        if iterator is None or not hasattr(iterator, "_shutdown_workers"):
-            continue
-        iterator._shutdown_workers()
-        for worker in iterator._workers:
-            if worker.is_alive():
-                worker.kill()
-                worker.join(timeout=10)
+    forever at exit. torch's SIGCHLD handler is held off meanwhile: it raises for any watched worker that has died,
+    and a worker of one loader dying (the cause of the error that ends a run) would surface as a new error while
+    another loader's workers exit."""
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+    previous = signal.getsignal(signal.SIGCHLD) if main else None
+    if callable(previous):  # a Python handler (torch's): SIG_DFL ignores the signal and leaves children joinable
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        for loader in loaders:
+            iterator, loader._iterator = getattr(loader, "_iterator", None), None
+            if iterator is None or not hasattr(iterator, "_shutdown_workers"):
+                continue
+            iterator._shutdown_workers()  # first of all, takes its workers off torch's watch list
+            for worker in iterator._workers:
+                if worker.is_alive():
+                    worker.kill()
+                    worker.join(timeout=10)
+    finally:
+        if callable(previous):
+            signal.signal(signal.SIGCHLD, previous)
 
 
 class PairDataset(Dataset):

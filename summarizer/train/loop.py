@@ -254,6 +254,11 @@ def after_step(session: Session, loop: Loop, out: dict, time_up: bool) -> bool:
                                   loop.stop.interruptible)
         except StopRequested:
             session.monitor.write(f"step {step}: validation abandoned for the checkpoint ({loop.stop.name})")
+        except (RuntimeError, ConnectionError, EOFError) as exc:  # the validation loader's workers die too
+            if not worker_died(exc, session.cfg.data.num_workers):
+                raise
+            dead_worker(session, loop.stop, exc)  # raises, or returns where a stop signal killed the worker
+            return True
         window.reset()  # evaluation is not training throughput
     scheduled = step % train_cfg.ckpt_every == 0 or final or early_stop  # the same on every rank
     if scheduled or loop.stop.requested:  # a signal that came during this step's validation: this rank's own
