@@ -79,12 +79,7 @@ class Replayed:
             return self._run()
         if self.calls < self.warmup:
             self.calls += 1
-            side, current = runtime.side_stream(self.device), torch.cuda.current_stream(self.device)
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                out = self._run()
-            current.wait_stream(side)
-            return out
+            return runtime.on_side_stream(self.device, self._run)
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.device(self.device), torch.cuda.graph(graph):

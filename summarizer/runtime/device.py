@@ -106,6 +106,16 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
+def on_side_stream(device: torch.device, run):
+    """run() on `device`'s side stream, ordered after the work queued so far and before the work queued next."""
+    side, current = side_stream(device), torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        out = run()
+    current.wait_stream(side)
+    return out
+
+
 def device_tensor(values, device: torch.device) -> Tensor:
     """Python numbers as a tensor on `device`, queued behind the device's work rather than waiting for it:
     `torch.tensor(x, device="cuda")` copies from pageable memory and then waits for the whole queue to drain; a copy

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from summarizer.config.schema import TrainConfig
-from summarizer.runtime import Runtime, side_stream
+from summarizer.runtime import Runtime, on_side_stream, side_stream
 
 INPUTS = ("src_ids", "tgt_in", "tgt_out")  # the batch's tensors the step reads
 OUTPUTS = ("loss_sum", "nll_sum", "grad_norm", "finite")
@@ -66,7 +66,7 @@ class StepGraphs:
             self.calls += 1
             if stats is not None or not self.capture:
                 return self.step(model, optimizer, scaler, micro_batches, rt, cfg, stats)
-            return self._on_side_stream(lambda: self.step(model, optimizer, scaler, micro_batches, rt, cfg))
+            return on_side_stream(self.device, lambda: self.step(model, optimizer, scaler, micro_batches, rt, cfg))
         anchor = next(iter(optimizer.state.values()))["exp_avg"]  # replaced with the rest of the state
         if anchor is not self.anchor:
             self.graphs.clear()
@@ -91,14 +91,6 @@ class StepGraphs:
         # copies: a later replay of another graph may reuse this one's output memory (they share one pool)
         return {**{name: outputs[name].clone() for name in OUTPUTS}, "tokens": batch["n_tgt"], "modules": {}}
 
-    def _on_side_stream(self, run: Callable[[], dict]) -> dict:
-        side, current = side_stream(self.device), torch.cuda.current_stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            out = run()
-        current.wait_stream(side)
-        return out
-
     def _captured_step(self, model, optimizer, scaler, batch: dict, rt: Runtime, cfg: TrainConfig) -> dict:
         """`train_step` with the loss factor and the learning rates read from device tensors."""
         floats = [group["lr"] for group in optimizer.param_groups]
@@ -116,9 +108,9 @@ class StepGraphs:
             return None, inputs, None
         for p in model.parameters():  # a captured backward writes gradients into memory of its own graph
             p.grad = None
-        graph = torch.cuda.CUDAGraph()
-        side_stream(self.device).wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.graph(graph, pool=self.pool, stream=side_stream(self.device),
+        graph, side = torch.cuda.CUDAGraph(), side_stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.graph(graph, pool=self.pool, stream=side,
                               capture_error_mode="thread_local"):  # DataLoader's pinning thread goes on
             made = set(optimizer.state)
             outputs = self._captured_step(model, optimizer, scaler, {**batch, **inputs}, rt, cfg)
