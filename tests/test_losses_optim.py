@@ -94,6 +94,24 @@ def test_fused_vocab_stats_gradient_matches_autograd(dtype):
     assert torch.allclose(grads[0], grads[1], atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_vocab_stats_confident_target_gradient_is_not_lost_to_rounding(dtype):
+    """Where the model is sure of the target (p ~ 1), its gradient g * (p - 1) is a small difference of two terms
+    near g: formed in float32 and rounded once, it keeps its digits; rounded first (p to 16 bits), it is 0 or
+    off by 2^-8 (fp16: 2^-11) of g, tens of times the answer."""
+    from summarizer.train.losses import VocabStats
+    logits = torch.full((4, 50), -4.0)
+    target = torch.tensor([3, 7, 11, 49])
+    logits[torch.arange(4), target] = torch.tensor([5.0, 6.0, 7.0, 8.0])
+    x = logits.to(dtype).requires_grad_()
+    lse, target_logit, _ = VocabStats.apply(x, target)
+    (lse - target_logit).sum().backward()  # the plain NLL: its gradient is softmax - onehot
+    exact = torch.softmax(logits.double(), -1) - torch.nn.functional.one_hot(target, 50).double()
+    at_target = x.grad.double()[torch.arange(4), target]
+    assert torch.allclose(at_target, exact[torch.arange(4), target], rtol=1e-2, atol=0)
+    assert (at_target < 0).all() and (at_target > -0.01).all()
+
+
 def test_vocab_stats_chunks_match_one_pass(monkeypatch):
     import summarizer.train.losses as losses
     torch.manual_seed(0)
