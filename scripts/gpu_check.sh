@@ -149,8 +149,8 @@ fi
 # repeat a variant, of 40 steps (ten steps of the same settings ran 95k-172k tokens/s on an H100): each second-epoch
 # run trains a whole epoch first, in a process of its own.
 # The rows in the order of what they decide: should the budget cut the bench short, bench.json keeps those done.
-ROWS="[naive_vs_default, precision_bf16, precision_fp16, fused_optimizer, workers, pin_memory, cudnn_benchmark, "
-ROWS+="attention_kernel, pad_multiple, pad_rows, precision_bf16_epoch2, precision_fp16_epoch2]"
+ROWS="[naive_vs_default, cuda_graphs, precision_bf16, precision_fp16, fused_optimizer, workers, pin_memory, "
+ROWS+="cudnn_benchmark, attention_kernel, fused_loss, pad_multiple, pad_rows, precision_bf16_epoch2, precision_fp16_epoch2]"
 step 2 bench 270 "$PY" -m summarizer bench "${COMMON[@]}" run.name=gc_bench "run.dir=$OUT/bench" "bench.rows=$ROWS" \
   $([ "$DEV" = cuda ] && echo bench.repeats=1 bench.warmup=1 bench.steps=40 || echo bench.repeats=1 bench.warmup=0 bench.steps=2) \
   bench.find_batch_tokens=false
