@@ -51,7 +51,8 @@ class VocabStats(torch.autograd.Function):
             torch.addcmul(uniform[part], grad[part], g_lse[part], out=grad[part])
         p_target = (target_logit - lse).exp_().unsqueeze(-1)
         at_target = torch.addcmul(uniform + g_target.unsqueeze(-1), p_target, g_lse)
-        every_row = torch.arange(len(target), device=target.device)  # index_put_, not scatter_: on CPU 1000x faster
+        # index_put_, not scatter_: a CPU's scatter_ into a 16-bit (2048, 8000) tensor takes 70 ms, index_put_ 0.02
+        every_row = torch.arange(len(target), device=target.device)
         return grad.index_put_((every_row, target.squeeze(-1)), at_target.squeeze(-1).to(grad.dtype)), None
 
 
