@@ -12,15 +12,15 @@ CHUNK_ELEMENTS = 1 << 20  # CPU: rows of logits processed together, ~4 MB in flo
 class VocabStats(torch.autograd.Function):
     """(N, V) logits -> float32 (logsumexp, target logit, mean logit) per row; memory-light both ways.
 
-    Autograd through logsumexp + gather + mean keeps several (N, V) float32 buffers and walks them about eight
-    times (logsumexp alone: max, subtract, exp, sum). Here the forward makes one float32 copy of the logits and
-    runs log_softmax over it (the target's log-probability gives the logsumexp); it saves the logits as they came
-    (bf16 under autocast) and the (N,) logsumexp. The backward writes the gradient softmax * g_lse + g_mean / V
-    in the logits' dtype with two kernels, softmax straight from the logits and then addcmul in place, each
-    computing in float32. The target's entry, where g_lse * p and g_target nearly cancel once the model is sure
-    of it, is then put in from float32. On CPU both directions go through the rows in cache-sized chunks, so
-    what one kernel writes the next reads from cache, not memory. On CUDA, with bandwidth to spare, one chunk is
-    the whole tensor: bf16 logits are read and written 13 times their size in all, not 39 (float32: 14, not 38).
+    Autograd through logsumexp + gather + mean keeps several (N, V) float32 buffers and walks them about eight times
+    (logsumexp alone: max, subtract, exp, sum). Here the forward makes one float32 copy of the logits and runs
+    log_softmax over it (the target's log-probability gives the logsumexp); it saves the logits as they came (bf16
+    under autocast) and the target's (N,) log-probability. The backward writes the gradient softmax * g_lse + g_mean
+    / V in the logits' dtype with two kernels, softmax straight from the logits and then addcmul in place, each
+    computing in float32. The target's entry, where g_lse * p and g_target nearly cancel once the model is sure of
+    it, is then put in from float32. On CPU both directions go through the rows in cache-sized chunks, so what one
+    kernel writes the next reads from cache, not memory. On CUDA, with bandwidth to spare, one chunk is the whole
+    tensor: bf16 logits are read and written 13 times their size in all, not 39 (float32: 14, not 38).
     Values are float32 whatever the logits' dtype (bench row "fused_loss").
     """
 
@@ -30,26 +30,26 @@ class VocabStats(torch.autograd.Function):
         rows = n if logits.is_cuda else max(1, CHUNK_ELEMENTS // v)
         target = target.unsqueeze(-1)
         target_logit = logits.gather(-1, target).squeeze(-1).float()
-        lse, mean = torch.empty_like(target_logit), torch.empty_like(target_logit)
+        log_p_target, mean = torch.empty_like(target_logit), torch.empty_like(target_logit)
         for start in range(0, n, rows):
             part = slice(start, start + rows)
             x = logits[part].float()
             torch.mean(x, dim=-1, out=mean[part])
-            torch.sub(target_logit[part], x.log_softmax(dim=-1).gather(-1, target[part]).squeeze(-1), out=lse[part])
-        ctx.save_for_backward(logits, target, target_logit, lse)
+            torch.gather(x.log_softmax(dim=-1), -1, target[part], out=log_p_target[part, None])
+        ctx.save_for_backward(logits, target, log_p_target)
         ctx.rows = rows
-        return lse, target_logit, mean
+        return target_logit - log_p_target, target_logit, mean
 
     @staticmethod
     def backward(ctx, g_lse: Tensor, g_target: Tensor, g_mean: Tensor):
-        logits, target, target_logit, lse = ctx.saved_tensors
+        logits, target, log_p_target = ctx.saved_tensors
         g_lse, uniform = g_lse.unsqueeze(-1), (g_mean / logits.shape[1]).unsqueeze(-1)
         grad = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.rows):
             part = slice(start, start + ctx.rows)
             torch.softmax(logits[part], dim=-1, out=grad[part])
             torch.addcmul(uniform[part], grad[part], g_lse[part], out=grad[part])
-        p_target = (target_logit - lse).exp_().unsqueeze(-1)
+        p_target = log_p_target.exp().unsqueeze(-1)
         at_target = torch.addcmul(uniform + g_target.unsqueeze(-1), p_target, g_lse)
         # index_put_, not scatter_: a CPU's scatter_ into a 16-bit (2048, 8000) tensor takes 70 ms, index_put_ 0.02
         every_row = torch.arange(len(target), device=target.device)
