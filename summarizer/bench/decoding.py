@@ -211,7 +211,7 @@ def profile_row(cfg: Config, top: int = 12) -> dict:
         row["launches_per_step"] = summary["launches"]
         row["device_syncs_per_step"] = device_syncs(lambda: decode_all(model, sources, settings, rt, lexicon=lex),
                                                     rt.decoder_device) / max(steps, 1)
-    atomic_write(cfg.run_dir / "decode_profile.txt", averages.table(sort_by=sort, row_limit=40))
+    atomic_write(cfg.run_dir / "decode_profile.txt", averages.table(sort_by=sort, row_limit=-1))  # every operator
     return row
 
 
