@@ -79,7 +79,8 @@ def test_the_captured_path_computes_what_the_eager_step_does(tiny_data, precisio
 def test_what_runs_eagerly_and_why(tiny_data):
     cfg = make_cfg(tiny_data)
     model = Seq2Seq(cfg.model, 192)
-    fused, plain = build_optimizer(model, cfg.train), torch.optim.AdamW(model.parameters())
+    fused, plain = True, False  # the optimizer takes the finiteness flag into its kernel, or reads it first
+    adamw = build_optimizer(model, cfg.train)
     gpu, gpu1, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
     one_gpu = Runtime(gpu, gpu, "bf16")
     assert unsupported(one_gpu, cfg.train, fused) == ""
@@ -93,10 +94,12 @@ def test_what_runs_eagerly_and_why(tiny_data):
         compiled.compile_mode = mode
         assert "torch.compile's own CUDA graphs" in unsupported(one_gpu, compiled, fused)
     assert "fused_optimizer" in unsupported(one_gpu, cfg.train, plain)
-    assert step_function(train_mod.train_step, model, fused, one_gpu, cfg.train) == (train_mod.train_step, "")
+    assert step_function(train_mod.train_step, model, adamw, one_gpu, cfg.train) == (train_mod.train_step, "")
     on = make_cfg(tiny_data, "train.cuda_graphs=true").train
-    step, note = step_function(train_mod.train_step, model, fused, Runtime(cpu, cpu, "fp32"), on)
+    step, note = step_function(train_mod.train_step, model, adamw, Runtime(cpu, cpu, "fp32"), on)
     assert step is train_mod.train_step and note == "train.cuda_graphs: off for this run (the model is not on one GPU)"
+    step, note = step_function(train_mod.train_step, model, torch.optim.AdamW(model.parameters()), one_gpu, on)
+    assert step is train_mod.train_step and "train.fused_optimizer=false" in note  # read from the optimizer itself
 
 
 def test_a_run_asking_for_graphs_where_none_can_be_says_so_and_trains(tiny_data, tmp_path, capsys):

@@ -229,3 +229,30 @@ def test_every_ddp_rank_trains_in_rank_0s_choice(tiny_data, tmp_path):
     mp.spawn(_rank_chooses, args=(2, str(tmp_path / "init"), str(tiny_data), str(tmp_path)), nprocs=2)
     chosen = [json.loads((tmp_path / f"rank{r}.json").read_text())["precision"] for r in range(2)]
     assert chosen == ["fp32", "fp32"]
+
+
+def test_a_step_that_replays_as_a_cuda_graph_takes_16_bit_by_rule_and_keeps_it_on_resume(tiny_data, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """What an eager probe times (the host launching autocast's casts) is gone from a replayed step: no probe runs.
+    The rule's record is kept like a probe's, and holds only while the step is still captured."""
+    gpu_graphs = TrainConfig(precision="auto", cuda_graphs=True)
+    assert precision.captured(gpu_graphs, Runtime(GPU, GPU, "bf16"))
+    assert not precision.captured(TrainConfig(precision="auto"), Runtime(GPU, GPU, "bf16"))
+    assert not precision.captured(TrainConfig(cuda_graphs=True, fused_optimizer=False), Runtime(GPU, GPU, "bf16"))
+    assert not precision.captured(TrainConfig(cuda_graphs=True, accum_steps=2), Runtime(GPU, GPU, "bf16"))
+    assert not precision.captured(gpu_graphs, Runtime(CPU, CPU, "bf16"))
+
+    calls = []
+    _as_if_on_a_gpu(monkeypatch, "GPU A", "fp32", calls)  # a probe would pick fp32
+    monkeypatch.setattr(precision, "captured", lambda cfg, rt: True)
+    used, probe, err = _run(tiny_data, tmp_path / "run", 2, capsys)
+    assert calls == [] and used == "bf16"
+    assert probe == {"precision": "bf16", "device": "GPU A", "compile": None, "captured": True, "ms": {}}
+    assert "train.precision=auto: bf16 on GPU A (by rule: the step replays as a CUDA graph" in err
+    assert precision.timings(probe) == "not timed: the step is captured"
+    used, _, _ = _run(tiny_data, tmp_path / "run", 4, capsys)
+    assert calls == [] and used == "bf16"
+
+    monkeypatch.setattr(precision, "captured", lambda cfg, rt: False)  # resumed without the graphs: probed
+    used, probe, err = _run(tiny_data, tmp_path / "run", 6, capsys)
+    assert calls == [precision.BATCHES] and used == "fp32" and "captured" not in probe

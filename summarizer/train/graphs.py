@@ -26,8 +26,9 @@ INPUTS = ("src_ids", "tgt_in", "tgt_out")  # the batch's tensors the step reads
 OUTPUTS = ("loss_sum", "nll_sum", "grad_norm", "finite")
 
 
-def unsupported(rt: Runtime, cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> str:
-    """Why this run's step cannot be captured ("" when it can)."""
+def unsupported(rt: Runtime, cfg: TrainConfig, fused: bool) -> str:
+    """Why this run's step cannot be captured ("" when it can); `fused`: the optimizer takes the finiteness flag into
+    its kernel (a fused AdamW: `cfg.fused_optimizer` on one GPU)."""
     if rt.device.type != "cuda" or rt.decoder_device != rt.device:
         return "the model is not on one GPU"
     if rt.distributed:
@@ -36,7 +37,7 @@ def unsupported(rt: Runtime, cfg: TrainConfig, optimizer: torch.optim.Optimizer)
         return "train.accum_steps > 1"
     if cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
         return f"train.compile_mode={cfg.compile_mode} replays torch.compile's own CUDA graphs"
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+    if not fused:
         return "the optimizer reads the finiteness flag before it steps (train.fused_optimizer=false)"
     return ""
 
@@ -140,7 +141,7 @@ def step_function(step: Callable[..., dict], model: nn.Module, optimizer, rt: Ru
     run allows; with a line for the log."""
     if not cfg.cuda_graphs:
         return step, ""
-    why = unsupported(rt, cfg, optimizer)
+    why = unsupported(rt, cfg, getattr(optimizer, "_step_supports_amp_scaling", False))
     if why:
         return step, f"train.cuda_graphs: off for this run ({why})"
     return StepGraphs(step, optimizer, rt.device), ("train.cuda_graphs: each batch shape's whole step is captured "

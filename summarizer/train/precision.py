@@ -7,8 +7,12 @@ GPU the answer depends on the model: autocast adds casts and kernel launches to 
 casts into its kernels. So a new run on a GPU times forward and backward of a few of its first epoch's batches in
 both precisions, with the model as it will train (its layers compiled once per precision where it trains
 compiled; the run reuses the chosen precision's graphs), and trains in the faster; 16 bit wins a tie (half the
-activation memory). The result is kept in the run's progress and reused on resume on the same kind of GPU and
-model (eager, or compiled in one mode), so a run never changes precision between its checkpoints on one machine."""
+activation memory). Where the whole step replays as a CUDA graph (train.cuda_graphs, and the run allows it), a rule
+holds instead, and 16 bit is chosen untimed: what an eager probe would time, the host launching autocast's casts, is
+gone from a replayed step, and what is left is the GPU's own time, less in 16 bit than in TF32 (the recipe's step on
+an H100: 3.0 ms against 3.4, docs/results.md "Where the time goes"). The result is kept in the run's progress and
+reused on resume on the same kind of GPU and model (eager, compiled in one mode, or captured), so a run never changes
+precision between its checkpoints on one machine."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,6 +25,7 @@ from summarizer import runtime
 from summarizer.config.schema import DataConfig, TrainConfig
 from summarizer.data.batches import EpochBatch, PairDataset, TokenBatchSampler, batch_collate
 from summarizer.runtime import Runtime, move_batch
+from summarizer.train.graphs import unsupported
 from summarizer.train.losses import smoothed_nll
 
 BATCHES = 4  # first-epoch batches timed, from its shortest to its longest
@@ -44,12 +49,19 @@ def compiled(cfg: TrainConfig) -> str | None:
     return cfg.compile_mode if cfg.compile else None
 
 
+def captured(cfg: TrainConfig, rt: Runtime) -> bool:
+    """Whether the run's step replays as a CUDA graph (train.cuda_graphs, where graphs.unsupported allows it; on one
+    GPU the optimizer is fused exactly when train.fused_optimizer asks)."""
+    return cfg.cuda_graphs and not unsupported(rt, cfg, fused=cfg.fused_optimizer)
+
+
 def recorded(progress: dict, cfg: TrainConfig, rt: Runtime) -> str | None:
     """A resumed run's precision from its probe, when this machine's device is the kind it was measured on and the
-    model runs as it did then (eager, or compiled in the same mode)."""
+    model runs as it did then (eager, compiled in the same mode, captured or not)."""
     probe, requested = progress.get("precision_probe"), cfg.precision
     if not candidates(requested, rt) or not probe or probe["device"] != device_name(rt) \
-            or probe.get("compile") != compiled(cfg):  # a probe without the key timed the eager model
+            or probe.get("compile") != compiled(cfg) \
+            or probe.get("captured", False) != captured(cfg, rt):  # a probe without the keys timed the eager model
         return None
     return probe["precision"] if probe["precision"] in candidates(requested, rt) else None
 
@@ -112,8 +124,12 @@ def pick(seconds: dict[str, float]) -> str:
 
 def choose(model: nn.Module, dataset: PairDataset, sampler: TokenBatchSampler, data: DataConfig, rt: Runtime,
            cfg: TrainConfig) -> dict:
-    """Probe the precisions `candidates` names and agree on rank 0's choice: what `recorded` reads back."""
+    """Probe the precisions `candidates` names and agree on rank 0's choice: what `recorded` reads back. A captured
+    step is not timed: 16 bit, by rule (the module's docstring)."""
     precisions = candidates("auto", rt)
+    if captured(cfg, rt):  # one GPU, one process: no ranks to agree
+        return {"precision": precisions[1], "device": device_name(rt), "compile": compiled(cfg), "captured": True,
+                "ms": {}}
     timed = runtime.unwrap(model)  # without DDP: a rank's own steps, no gradients exchanged
     if cfg.compile:  # as the run trains it: the run's own compile reuses the chosen precision's graphs
         timed = runtime.compile_model(timed, cfg.compile_mode)
@@ -128,10 +144,16 @@ def choose(model: nn.Module, dataset: PairDataset, sampler: TokenBatchSampler, d
 
 def timings(probe: dict) -> str:
     """A probe's times, as its log line and the GPU check's table give them: "fp32 118.8 ms, bf16 283.4 ms"."""
+    if probe.get("captured"):
+        return "not timed: the step is captured"
     return ", ".join(f"{p} {'out of memory' if ms is None else f'{ms} ms'}" for p, ms in probe["ms"].items())
 
 
 def describe(probe: dict) -> str:
     how = f", compiled ({probe['compile']})" if probe.get("compile") else ""
+    if probe.get("captured"):
+        return (f"train.precision=auto: {probe['precision']} on {probe['device']} (by rule: the step replays as a "
+                f"CUDA graph{how}, so 16 bit's casts add no launches, and its kernels take less GPU time than "
+                f"TF32's); set train.precision to choose")
     return (f"train.precision=auto: {probe['precision']} on {probe['device']} (forward and backward of {BATCHES} "
             f"first-epoch batches{how}, twice: {timings(probe)}); set train.precision to choose")
