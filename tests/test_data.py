@@ -1,7 +1,14 @@
 import numpy as np
 import torch
 
-from summarizer.data.batches import PairDataset, TokenBatchSampler, collate, padding_fraction, token_budget_batches
+from summarizer.data.batches import (
+    PairDataset,
+    TokenBatchSampler,
+    collate,
+    pad_sources,
+    padding_fraction,
+    token_budget_batches,
+)
 from summarizer.data.tokenizer import BOS, EOS, PAD
 
 
@@ -22,6 +29,13 @@ def test_collate_shifts_targets_and_pads():
     assert batch["tgt_in"].tolist() == [[BOS, 8, 9], [BOS, 4, PAD]]
     assert batch["tgt_out"].tolist() == [[8, 9, EOS], [4, EOS, PAD]]
     assert batch["n_src"] == 4 and batch["n_tgt"] == 5 and batch["src_ids"].dtype == torch.long
+
+
+def test_pad_sources_takes_lists_and_arrays_of_any_integer_type():
+    batch = pad_sources([[5, 6], np.array([7, 8, 9], np.uint16), [], np.array([60000], np.int32)])
+    assert batch.dtype == torch.long
+    assert batch.tolist() == [[5, 6, PAD], [7, 8, 9], [PAD, PAD, PAD], [60000, PAD, PAD]]
+    assert pad_sources([[]]).tolist() == [[PAD]]  # one position at least: attention needs a key
 
 
 def test_truncation_to_max_lengths():
