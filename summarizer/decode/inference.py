@@ -51,7 +51,7 @@ def eval_checkpoint(cfg: Config) -> Path:
 
 def summary_text(ids: list[int], source: str, tokenizer: Tokenizer, meta: dict, limit: int,
                  copied: dict[int, int] | None = None) -> str:
-    """A decoded summary as scorers see it (or, given `copied` from decoding.copied_unknowns, as readers do:
+    """A decoded summary as scorers see it (or, given `copied` from search.copied_unknowns, as readers do:
     each unknown piece written as the source characters it was copied from, and summarizer/decode/readable.py):
     masked digits put back from its source, cut to the whole words that fit in `limit` bytes
     (eval.truncate_bytes; 0 = whole)."""

@@ -54,7 +54,7 @@ class Lexicon:
         self.starts_word = [p.startswith(WORD_START) and i not in special for i, p in enumerate(pieces)]
         self.text = ["" if i in special else p.replace(WORD_START, "") for i, p in enumerate(pieces)]
         # A character outside the vocabulary is an UNK piece inside its word: a source word holding one may be
-        # copied whole (the UNK written back as the source's own character: evaluate.summary_text), never
+        # copied whole (the UNK written back as the source's own character: inference.summary_text), never
         # spelled without it, and no known word holds one.
         self.text[UNK] = UNKNOWN_TEXT
         self._word_hashes: dict[tuple[int, ...], int] = {}  # source words' repeat key hashes, by their pieces

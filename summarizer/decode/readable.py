@@ -3,7 +3,7 @@ into text a reader expects, from its own raw source.
 
 - each word in the case it had in the source, where it came from there; the first letter capitalised;
 - no unknown marker: a piece the tokenizer cannot spell was already written as the source characters the copy
-  head took it from (evaluate.summary_text, decoding.copied_unknowns); what is left of them (`<unk>`, `UNK`,
+  head took it from (inference.summary_text, search.copied_unknowns); what is left of them (`<unk>`, `UNK`,
   or a word holding SentencePiece's `⁇`: unknown in the source too, or made up) is dropped, the whole word;
 - PTB tokens back to text (`-lrb-` to `(`, quotes) and detokenized (`'s`, `n't`, punctuation), with NLTK's
   Treebank detokenizer, the inverse of the tokenizer Gigaword's text was made with.

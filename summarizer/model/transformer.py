@@ -1,9 +1,8 @@
 """The encoder-decoder Transformer with copy attention: pure math over token ids.
 
-No device, precision or multi-process code lives here: placement, mixed precision
-and wrapping are applied from outside (summarizer/runtime/device.py). Shapes use
-B = batch, S = source length, T = target length, D = d_model, H = heads,
-V = vocabulary.
+No device, precision or multi-process code lives here: placement, mixed precision and wrapping
+are applied from outside (summarizer/runtime/: placement.py, device.py, distributed.py). Shapes
+use B = batch, S = source length, T = target length, D = d_model, H = heads, V = vocabulary.
 """
 from __future__ import annotations
 
