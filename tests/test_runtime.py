@@ -185,6 +185,20 @@ def test_fp16_loss_scaling_runs_on_the_cpu():
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_autocast_keeps_no_cache_of_cast_weights_so_every_step_sees_one_autocast_state(precision, monkeypatch):
+    """The cache is a guard of compiled code: were it on in eager steps and off in a CUDA graph's capture (torch's
+    notes ask for it off there), layers compiled in the one would recompile in the other, which fails in a
+    capture. A training forward casts each weight once anyway, so it is off everywhere, captures or not."""
+    rt = runtime.Runtime(torch.device("cpu"), torch.device("cpu"), precision)
+    states = []
+    for capturing in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda capturing=capturing: capturing)
+        with rt.compute():
+            states.append((torch.is_autocast_enabled("cpu"), torch.is_autocast_cache_enabled()))
+    assert states == [(True, False), (True, False)]
+
+
 @pytest.mark.parametrize("gpu, auto", [("A100", "bf16"), ("V100", "fp16")])
 def test_on_a_gpu_auto_is_bf16_only_where_the_hardware_has_it(monkeypatch, gpu, auto):
     """A V100 or T4 runs bf16 only emulated, slowly: auto is fp16 there, and bf16 asked for is refused. The GPU's

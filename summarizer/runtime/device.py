@@ -55,14 +55,18 @@ class Runtime:
 
     def compute(self) -> contextlib.ExitStack:
         """The context every forward pass runs in: autocast to the run's precision (matmuls in 16 bit,
-        reductions and norms kept in fp32 by torch.amp) and the attention kernel choice. While a CUDA graph is
-        captured, autocast keeps no cache of cast weights (torch's CUDA graph notes ask for cache_enabled=False)."""
+        reductions and norms kept in fp32 by torch.amp) and the attention kernel choice.
+
+        Autocast keeps no cache of cast weights, ever: a training forward casts each weight once anyway (the recipe's
+        step on a CPU: the same time with the cache and without), decoding runs under inference_mode, where autocast
+        caches nothing (its 16-bit weights are cast once: decode.quantize.decoding_form), and torch's CUDA graph
+        notes ask for no cache while a graph is captured. Off only during a capture, the cache was a guard of code
+        compiled outside it (train.compile with train.cuda_graphs): every compiled layer recompiled inside the
+        capture, which fails there."""
         stack = contextlib.ExitStack()
         if self.precision != "fp32":
             for device_type in {self.device.type, self.decoder_device.type}:
-                capturing = device_type == "cuda" and torch.cuda.is_current_stream_capturing()
-                stack.enter_context(torch.autocast(device_type=device_type, dtype=self.dtype,
-                                                   cache_enabled=not capturing))
+                stack.enter_context(torch.autocast(device_type=device_type, dtype=self.dtype, cache_enabled=False))
         backends = attention_kernels(self.sdpa_backend, {self.device.type, self.decoder_device.type})
         if backends == "explicit":
             stack.enter_context(explicit_attention())
