@@ -161,3 +161,28 @@ def test_a_captured_step_with_every_word_rule_equals_the_eager_search_on_a_gpu(t
                  truncate_bytes=40)
     m, src = m.cuda(), src.cuda()
     assert static_search(m, src, s, lex) == eager(m, src, s, lex)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("beam", [1, 4])
+def test_decoding_threads_on_a_gpu_capture_one_at_a_time_and_decode_what_one_thread_does(model, sources, beam):
+    """eval.threads=2 with static shapes on a GPU: the batches' searches run in two threads, each capturing its
+    step (one capture at a time in the process, as torch requires), and decode what the dynamic search does."""
+    m = Seq2Seq(model.cfg, 40).cuda().eval()
+    m.load_state_dict(model.state_dict())
+    rt = Runtime(torch.device("cuda"), torch.device("cuda"), "fp32")
+    ids = [row[row != 0].tolist() for row in sources]  # lengths 9, 6, 9, 4, 9, 2, 9: three batches of 18 tokens
+    s = settings(beam_size=beam, shapes="static", threads=2, batch_tokens=18 * beam)
+    captured, original = [], Replayed.run
+
+    def spy(self):
+        out = original(self)
+        captured.append((id(self), self.graph is not None))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Replayed, "run", spy)
+        static = decode_all(m, ids, s, rt)
+    assert static == decode_all(m, ids, dataclasses.replace(s, shapes="dynamic", threads=1), rt)
+    steps = {step for step, _ in captured}
+    assert len(steps) == 3 and {step for step, replayed in captured if replayed} == steps  # every batch captured

@@ -16,6 +16,7 @@ dynamic: finished sentences leaving the batch save more work (`search.static_sha
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 from torch import Tensor
@@ -39,9 +40,15 @@ class Replayed:
     `capacity` tokens), the step, the cache and the rules. On CUDA, with the whole model on the search's GPU, after
     `warmup` eager calls on a side stream (which CUDA graph capture asks for), it is captured once as a graph and
     replayed; its output is then the same tensor every call, valid until the next one. Elsewhere, or where the
-    capture fails (said once, on stderr), it runs eagerly."""
+    capture fails (said once, on stderr), it runs eagerly.
+
+    One capture at a time in the process (torch's rule), whatever the decoding threads (`eval.threads`); and a
+    capture forbids only its own thread the calls that would break it (capture_error_mode="thread_local"), so
+    another thread's work goes on: another batch's search, or the training DataLoader's pinning thread, whose
+    pinned memory the capture's set-up just let go of, so its next batch allocates anew, while a run validates."""
 
     warned = False
+    capturing = threading.Lock()
 
     def __init__(self, model, state, rules: Rules, capacity: int, warmup: int = 2):
         self.device = device = state.src_ids.device
@@ -82,7 +89,8 @@ class Replayed:
             return runtime.on_side_stream(self.device, self._run)
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.device(self.device), torch.cuda.graph(graph):
+            with Replayed.capturing, torch.cuda.device(self.device), \
+                    torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.out = self._run()
         except RuntimeError as exc:  # nothing ran during the capture: the step runs eagerly from here on
             self.graphs = False
