@@ -111,15 +111,18 @@ class StepGraphs:
             p.grad = None
         graph, side = torch.cuda.CUDAGraph(), side_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.graph(graph, pool=self.pool, stream=side,
-                              capture_error_mode="thread_local"):  # DataLoader's pinning thread goes on
-            made = set(optimizer.state)
-            outputs = self._captured_step(model, optimizer, scaler, {**batch, **inputs}, rt, cfg)
-        for p in model.parameters():
-            p.grad = None  # the graph's memory: what the next replay of any graph overwrites
-        if new := [p for p in optimizer.state if p not in made]:  # made in the capture: never initialised
+        made = set(optimizer.state)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=side,
+                                  capture_error_mode="thread_local"):  # DataLoader's pinning thread goes on
+                outputs = self._captured_step(model, optimizer, scaler, {**batch, **inputs}, rt, cfg)
+        finally:  # a capture that failed too: what it made was never run, so eager steps must not find it
+            for p in model.parameters():
+                p.grad = None  # the graph's memory: what the next replay of any graph overwrites
+            new = [p for p in optimizer.state if p not in made]  # made in the capture: never initialised
             for p in new:
                 del optimizer.state[p]
+        if new:
             raise RuntimeError("a parameter without optimizer state until now got a gradient in the captured step")
         return graph, inputs, outputs
 
