@@ -52,6 +52,29 @@ def test_placement_cpu_cpu_matches_single_device():
     assert runtime.unwrap(placed) is placed and placed.state_dict().keys() == model.state_dict().keys()
 
 
+def test_a_placed_models_state_dict_is_the_models_also_inside_a_moving_average():
+    """A module holding the placed model (the moving average: every run's default) saves through each child's
+    state_dict and loads through _load_from_state_dict: the keys are the plain model's both ways, so a split run
+    resumes, rolls back and writes best.pt as a single-device one does."""
+    from summarizer.train.ema import MovingAverage
+    cfg = ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32)
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    placed = PlacedSeq2Seq(Seq2Seq(cfg, 30), cpu, cpu)
+    ema = MovingAverage(placed, 0.9)
+    ema.update_parameters(placed)
+    saved = ema.state_dict()
+    plain = MovingAverage(Seq2Seq(cfg, 30), 0.9).state_dict()
+    assert list(saved) == list(plain)  # "module.embedding.weight", ..., "n_averaged"
+    torch.manual_seed(1)
+    again = MovingAverage(PlacedSeq2Seq(Seq2Seq(cfg, 30), cpu, cpu), 0.9)
+    again.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), saved.values(), strict=True))
+    loaded = PlacedSeq2Seq(Seq2Seq(cfg, 30), cpu, cpu)
+    loaded.load_state_dict(placed.state_dict())  # the checkpoint's own model, as before
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), placed.parameters(), strict=True))
+
+
 def test_pipeline_chunks_queue_encoder_i_plus_1_before_decoder_i_and_its_hop_after(monkeypatch):
     """A copy between two GPUs makes each one's stream wait for all the other has queued (a two-way barrier), so
     the queue order decides whether the devices overlap: chunk i+1's memory must hop to the decoder only after

@@ -30,12 +30,10 @@ class PlacedSeq2Seq(nn.Module):
         model.to(decoder_device)
         model.encoder_layers.to(encoder_device)
         model.encoder_norm.to(encoder_device)
-
-    def state_dict(self, *args, **kwargs):
-        return self.inner.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args, **kwargs):
-        return self.inner.load_state_dict(*args, **kwargs)
+        # Its state dict is the inner model's keys, also inside a module that holds it (the moving average), which
+        # saves through each child's state_dict but loads through _load_from_state_dict: hooks serve both ways.
+        self.register_state_dict_post_hook(_without_inner)
+        self.register_load_state_dict_pre_hook(_with_inner)
 
     def _embedded(self, src_ids: Tensor) -> Tensor:
         """(B, S, D) source embeddings, made on the decoder device (the embedding's), on the encoder device."""
@@ -91,3 +89,15 @@ def place_model(model: nn.Module, rt: Runtime, chunks: int = 1) -> nn.Module:
     if rt.device != rt.decoder_device:
         return PlacedSeq2Seq(model, rt.device, rt.decoder_device, chunks)
     return model.to(rt.device)
+
+
+def _without_inner(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict's post-hook: `prefix`inner.k -> `prefix`k, in order (the subtree's keys are the newest)."""
+    for key in [k for k in state_dict if k.startswith(prefix + "inner.")]:
+        state_dict[prefix + key[len(prefix) + len("inner."):]] = state_dict.pop(key)
+
+
+def _with_inner(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict's pre-hook: `prefix`k -> `prefix`inner.k (on load_state_dict's own copy of the dict)."""
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + "inner.")]:
+        state_dict[prefix + "inner." + key[len(prefix):]] = state_dict.pop(key)
