@@ -14,6 +14,17 @@ from summarizer.train.watch.spikes import limit, remember, skipped, too_many
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def test_a_steps_loss_summed_over_the_ranks_leaves_the_steps_own_sum_alone(monkeypatch):
+    """The loop's window sums each rank's local nll_sum over the ranks after this: an all-reduce into a view of it
+    would make the logged loss world_size times too large."""
+    from summarizer.runtime import Runtime
+    from summarizer.train.watch import spikes
+    monkeypatch.setattr(spikes.runtime, "all_reduce_sum", lambda value, rt: value.mul_(2))  # two ranks alike
+    out = {"nll_sum": torch.tensor(6.0), "tokens": 4}
+    assert spikes.step_loss(out, Runtime(torch.device("cpu"), torch.device("cpu"), "fp32")) == 3.0
+    assert out["nll_sum"].item() == 6.0
+
+
 def test_the_limit_is_mean_plus_k_std_of_a_full_window():
     cfg = TrainConfig(spike_factor=2.0, spike_window=4)
     progress: dict = {}

@@ -23,7 +23,10 @@ from summarizer.runtime import Runtime
 
 def step_loss(out: dict, rt: Runtime) -> float:
     """The step's NLL per target token over all ranks (train_step's local sum over the global count)."""
-    return float(runtime.all_reduce_sum(out["nll_sum"].detach().float().reshape(1), rt)) / float(out["tokens"])
+    # a copy: float() and reshape() of a float32 scalar are views, and the all-reduce writes in place; the loop's
+    # window sums the step's own local nll_sum over the ranks after this
+    local = out["nll_sum"].detach().float().reshape(1).clone()
+    return float(runtime.all_reduce_sum(local, rt)) / float(out["tokens"])
 
 
 def limit(progress: dict, cfg: TrainConfig) -> float | None:
