@@ -557,6 +557,16 @@ def test_a_nan_gradient_is_traced_to_its_module_in_backward():
     assert where == "encoder_layers.0 (backward: the gradient of its output)"
     assert all(p.grad is None for p in model.parameters())  # nothing left behind for the optimizer
 
+    class ThroughDDP(torch.nn.Module):  # what DDP is to the loop: the model as `module`, collectives in between
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args):
+            raise AssertionError("re-run through DDP: its all-reduces would pair with other ranks' other buckets")
+
+    assert first_nonfinite(ThroughDDP(model), [batch], rt, Config().train) == where
+
 
 def test_denoising_examples_are_masked_in_training_and_resume_exactly(tmp_path, monkeypatch):
     """Unpaired sentences in the train split: their sources reach the model masked (and only theirs), drawn per

@@ -27,9 +27,12 @@ def _bad(value) -> bool:
 
 def first_nonfinite(model: nn.Module, micro_batches: list[dict], rt: Runtime, cfg: TrainConfig) -> str:
     """'<module path> (forward|backward)' of the first NaN/inf the step's forward and backward produce, 'the
-    loss' if only the loss is, or a note that the re-run was finite (a fault that does not repeat)."""
+    loss' if only the loss is, or a note that the re-run was finite (a fault that does not repeat). The re-run
+    is the model's own, outside DDP: each rank stops at its own first NaN, and a backward through DDP would
+    all-reduce gradients with ranks that stopped elsewhere (a hang, or buckets of other sizes)."""
     found: list[str] = []
-    names = {module: name or "(the model)" for name, module in runtime.unwrap(model).named_modules()}
+    model = runtime.unwrap(model)
+    names = {module: name or "(the model)" for name, module in model.named_modules()}
 
     def forward_hook(module, inputs, output):
         if not found and _bad(output):
