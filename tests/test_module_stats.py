@@ -29,6 +29,14 @@ def test_every_parameter_has_a_named_group():
                       "decoder.1.cross", "copy", "final_norms"}
 
 
+def test_a_model_split_across_devices_has_the_groups_of_one_on_a_single_device():
+    from summarizer.runtime.placement import PlacedSeq2Seq
+    model, cpu = tiny_model(), torch.device("cpu")
+    expected = {group: len(params) for group, params in ModuleStats(model).groups.items()}
+    placed = PlacedSeq2Seq(model, cpu, cpu)
+    assert {group: len(params) for group, params in ModuleStats(placed).groups.items()} == expected
+
+
 def test_gradient_update_and_weight_norms_are_those_of_the_step():
     model, cfg = tiny_model(), Config()
     cfg.train.clip_norm, cfg.train.precision = 0.0, "fp32"

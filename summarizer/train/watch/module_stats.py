@@ -43,7 +43,8 @@ class ModuleStats:
 
     def __init__(self, model: nn.Module):
         self.groups: dict[str, list[nn.Parameter]] = {}
-        for name, param in runtime.unwrap(model).named_parameters():
+        inner = runtime.unwrap(model)
+        for name, param in getattr(inner, "inner", inner).named_parameters():  # a placed model's own names
             if param.requires_grad:
                 self.groups.setdefault(group_of(name), []).append(param)
         self._before: list[Tensor] | None = None
