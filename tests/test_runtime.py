@@ -130,6 +130,14 @@ def test_ddp_with_model_parallel_gives_each_rank_its_own_gpu_pair(monkeypatch):
         runtime.device._per_rank_pair(cuda(0), cuda(1), local_rank=1)
 
 
+def test_ddp_refuses_a_model_split_between_a_gpu_and_the_cpu_before_it_starts(monkeypatch):
+    """DDP wraps only a module on one kind of device: said by setup, not by DDP once every rank has loaded."""
+    monkeypatch.setattr(runtime.device, "resolve_device", torch.device)  # no GPU needed to reach the check
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="one kind of device"):
+        runtime.setup(SystemConfig(), PlacementConfig(encoder_device="cuda:0", decoder_device="cpu"), "fp32")
+
+
 def test_setup_flushes_denormals_when_asked():
     tiny = torch.tensor([1e-39])  # a float32 denormal
     runtime.setup(SystemConfig(device="cpu", flush_denormal=False), PlacementConfig(), "fp32")

@@ -245,6 +245,10 @@ def setup(system: SystemConfig, placement: PlacementConfig, precision: str) -> R
     if split:
         device = resolve_device(placement.encoder_device or system.device)
         decoder_device = resolve_device(placement.decoder_device or system.device)
+        if world_size > 1 and device.type != decoder_device.type:  # DDP refuses such a module when it wraps it
+            raise ConfigError(f"DDP (torchrun, {world_size} processes) needs the model's halves on one kind of device, "
+                              f"not placement.encoder_device={device.type} and decoder_device={decoder_device.type}: "
+                              f"two GPUs per process, or one device each (placement unset)")
         if world_size > 1 and "cuda" in (device.type, decoder_device.type):
             device, decoder_device = _per_rank_pair(device, decoder_device, local_rank)
     else:
