@@ -127,6 +127,7 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
     if cuda:
         table.pop("kernel_cache")
         table.pop("decode_int8")
+        table.pop("fast_dropout")
     if best == "fp32":
         for name in ("precision_bf16", "precision_bf16_epoch2", "memory_precision"):
             table.pop(name)
@@ -138,6 +139,7 @@ NOT_HERE = {"precision_bf16": "no fast bf16 on this device", "decode_bf16": "no 
             "precision_fp16_epoch2": "needs CUDA",
             "pin_memory": "needs CUDA (pinning only speeds up host-to-GPU copies)",
             "cudnn_benchmark": "needs CUDA", "cuda_graphs": "needs CUDA", "kernel_cache": "a CPU (oneDNN) setting",
+            "fast_dropout": "CPU dropout masks (on CUDA both variants run torch's dropout kernel)",
             "decode_int8": "a CPU decoding mode (int8 linear layers)",
             "pipeline_chunks": "needs two GPUs", "summarize": "needs trained weights (bench.checkpoint, or best.pt)",
             "memory_precision": "no 16-bit mode worth measuring on this device"}

@@ -213,13 +213,15 @@ def test_a_bench_stopped_midway_keeps_the_rows_it_measured(cfg, monkeypatch):
 
 
 def test_on_a_gpu_the_rows_compare_what_a_gpu_runs(cfg, monkeypatch):
-    """int8 decoding is a CPU mode (skipped there, not failed); the attention row names auto's kernels; the KV-cache
-    row decodes as eval does, in the dynamic search on both sides (on a GPU auto would make its "on" side static)."""
+    """int8 decoding and the fast dropout masks are CPU modes (skipped there, not failed); the attention row names
+    auto's kernels; the KV-cache row decodes as eval does, in the dynamic search on both sides (on a GPU auto would
+    make its "on" side static)."""
     import summarizer.bench.decoding as decoding
     from summarizer import runtime
     monkeypatch.setattr(runtime, "resolve_device", lambda name: torch.device("cuda"))
     table = rows(cfg)
     assert "decode_int8" not in table and NOT_HERE["decode_int8"].startswith("a CPU decoding mode")
+    assert "fast_dropout" not in table and NOT_HERE["fast_dropout"].startswith("CPU dropout masks")  # a no-op there
     assert "never cuDNN" in table["attention_kernel"][0]
     monkeypatch.undo()
     seen = []
