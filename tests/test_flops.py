@@ -42,3 +42,18 @@ def test_a_gpus_peak_is_its_datasheets_for_the_precision_it_trains_in(monkeypatc
     value, origin = peak_flops(torch.device("cuda"), precision)
     assert value == peak and origin.startswith("datasheet")
     assert peak_flops(torch.device("cuda"), precision, override=1e12) == (1e12, "train.peak_flops")
+
+
+@pytest.mark.parametrize("gpus, mfu", [(0, 2.0), (1, 2.0), (2, 1.0)])
+def test_mfu_is_per_device_counting_both_gpus_of_a_split_model(gpus, mfu):
+    """400 FLOPs in 2 s against a 100 FLOP/s peak: 2.0 on one device, 1.0 where each process holds two GPUs."""
+    from types import SimpleNamespace
+
+    from summarizer.train.watch.monitor import Window
+    cpu = torch.device("cpu")
+    rt = SimpleNamespace(device=cpu, devices=[cpu], world_size=1, distributed=False,
+                         cuda_devices=[torch.device("cuda", i) for i in range(gpus)])  # memory read on the CPU alone
+    window = Window(rt, clock=iter([0.0, 2.0]).__next__, peak_flops=100.0)
+    out = {"nll_sum": torch.tensor(1.0), "loss_sum": torch.tensor(1.0), "tokens": 4, "finite": torch.tensor(True)}
+    window.add(out, [{"n_src": 2, "n_tgt": 2}], 0.0, (400, 400))
+    assert window.summary(1e-3, torch.tensor(1.0))["mfu"] == mfu

@@ -113,7 +113,7 @@ def start_loop(session: Session) -> Loop:
     """The loop's instruments and signal handling, for a session about to train."""
     train_cfg, rt = session.cfg.train, session.rt
     profiler = Profiler(train_cfg.profile_steps, session.cfg.tensorboard_dir / "profile",
-                        session.cfg.run_dir / "profile.txt", any(d.type == "cuda" for d in rt.devices),
+                        session.cfg.run_dir / "profile.txt", rt.cuda_devices,
                         wait=train_cfg.profile_after) \
         if train_cfg.profile_steps > 0 and rt.is_main else None
     peak, origin = peak_flops(rt.device, rt.precision, train_cfg.peak_flops)

@@ -263,7 +263,8 @@ class Window:
                    "memory_mb": max(current_memory_mb(d) for d in self.rt.devices)}
         if flops:  # flops.py: FLOPs of the real tokens; MFU against one device's peak, per device
             summary["model_flops_per_s"] = flops / seconds
-            summary["mfu"] = flops / seconds / self.rt.world_size / self.peak if self.peak else 0.0
+            devices = self.rt.world_size * (len(self.rt.cuda_devices) or 1)  # a split model: two GPUs a process
+            summary["mfu"] = flops / seconds / devices / self.peak if self.peak else 0.0
             summary["pad_flops_share"] = 1.0 - flops / padded if padded else 0.0
             summary["train_flops"] = flops  # of this interval; report sums them
         return summary
@@ -274,11 +275,12 @@ class Profiler:
     and Perfetto open, an operator table in <run_dir>/profile.txt, and in <run_dir>/profile.json what a step costs
     (runtime/profiling.py: wall and operator time, kernel launches, values read back, the GPU's busy time)."""
 
-    def __init__(self, steps: int, trace_dir: Path, table_path: Path, cuda: bool, wait: int = 1):
+    def __init__(self, steps: int, trace_dir: Path, table_path: Path, gpus: list[torch.device], wait: int = 1):
         activities = [torch.profiler.ProfilerActivity.CPU]
-        if cuda:
+        if gpus:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.steps, self.seen, self.table_path, self.cuda = steps, 0, table_path, cuda
+        self.steps, self.seen, self.table_path, self.gpus = steps, 0, table_path, gpus
+        self.cuda = bool(gpus)
         self.first, self.last = wait + 1, wait + 1 + steps  # steps seen when the window opens and closes
         self.prof = torch.profiler.profile(
             activities=activities, record_shapes=True, profile_memory=True,
@@ -294,8 +296,9 @@ class Profiler:
             return
         self.seen += 1
         edge = self.seen in (self.first, self.last)
-        if edge and self.cuda:  # the window starts and ends with the GPU idle (no wait inside: that is measured)
-            torch.cuda.synchronize()
+        if edge:  # the window starts and ends with every GPU idle (no wait inside: that is measured)
+            for gpu in self.gpus:  # a split model's decoder GPU too: synchronize() waits for the current one only
+                torch.cuda.synchronize(gpu)
         if self.seen == self.first:
             self.active_from = time.perf_counter()
         wall = time.perf_counter() - self.active_from
