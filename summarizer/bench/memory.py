@@ -1,6 +1,7 @@
 """Bench measurements that need a fresh process: memory peaks, and settings a process reads once."""
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 
 import torch
@@ -124,8 +125,12 @@ def largest_batch_tokens(cfg: Config, budget_mb: float, start: int, limit: int) 
 
 
 def memory_budget_mb(device: torch.device) -> float:
-    """What a step may use: the GPU's free memory, or 80% of the host's available memory."""
+    """What a step may use: the GPU's free memory, or 80% of the host's available memory. On a GPU, what this
+    process's caching allocator holds from the rows before (idle blocks the driver counts as used) is let go
+    first."""
     if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
         return free / 2**20
     with open("/proc/meminfo") as fh:
