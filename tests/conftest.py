@@ -20,13 +20,9 @@ def data_config(data_dir, *overrides: str) -> DataConfig:
 
 @pytest.fixture(scope="session")
 def tiny_prepared(tmp_path_factory) -> Path:
-    """tests/assets/tiny prepared once per session (digits already masked; mask_digits is a no-op on it)."""
-    from data_prep import prepare
-
-    data_dir = tmp_path_factory.mktemp("tiny_prepared")
-    prepare(data_config(data_dir, f"data.source={ASSETS / 'tiny'}", "data.vocab_size=150",
-                        "data.mask_digits=true"))
-    return data_dir
+    """tests/assets/tiny prepared once per session (tests/fixture_data.py)."""
+    from tests.fixture_data import prepared
+    return prepared("tiny_prepared", tmp_path_factory.mktemp("tiny_prepared") / "data")
 
 
 @pytest.fixture(autouse=True)
@@ -48,20 +44,19 @@ def trained_run(tmp_path_factory) -> tuple[Path, list[str]]:
     """One tiny run trained once per session, for every test that needs trained weights: (its tmp dir, the
     CLI args naming its config, data and run dir). Step checkpoints 20, 30, 40 and best.pt are kept. Tests may
     add files (evals, averages) but must not train it further."""
-    from data_prep.__main__ import main as prep
     from summarizer.__main__ import main
+    from tests.fixture_data import prepared
     tmp = tmp_path_factory.mktemp("trained_run")
     args = ["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tmp / 'data'}", f"run.dir={tmp / 'run'}",
             f"run.tensorboard_dir={tmp / 'tb'}", *TRAINED_ARGS]
-    assert prep(args[:4]) == 0
+    prepared("tiny", tmp / "data")
     assert main(["train", *args]) == 0
     return tmp, args
 
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    """configs/tiny.yaml's fixture prepared as `make smoke` prepares it, once per test module."""
-    from data_prep.__main__ import main as prep
-    data_dir = tmp_path_factory.mktemp("data") / "tiny"
-    assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={data_dir}"]) == 0
-    return data_dir
+    """configs/tiny.yaml's fixture prepared as `make smoke` prepares it, once per test module
+    (tests/fixture_data.py)."""
+    from tests.fixture_data import prepared
+    return prepared("tiny", tmp_path_factory.mktemp("data") / "tiny")
