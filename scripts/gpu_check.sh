@@ -18,7 +18,9 @@
 # fp32_compile, fp32_graphs, fp32_captured, and any of them with _b<tokens>, another data.batch_tokens),
 # GPU_CHECK_GW_MINUTES (0.6 per eager run), GPU_CHECK_GW_STEPS (600 per compiled run), GPU_CHECK_GW_PAIRS (100000),
 # GPU_CHECK_GW_DATA (part 5's synthetic pairs already prepared with configs/gigaword.yaml, for a machine without the
-# `datasets` package data_prep needs).
+# `datasets` package data_prep needs), GPU_CHECK_BENCH_ROWS (part 2's bench rows, in order, e.g. "naive_vs_default,
+# cuda_graphs"; default: the list at part 2), GPU_CHECK_COMMIT (the commit the report names, for a copy of the tree
+# without its .git; default: git describe).
 set -uo pipefail
 [ $# -eq 1 ] && [ -f "$1/meta.json" ] || { echo "usage: bash scripts/gpu_check.sh DATA_DIR (a prepared data dir:" \
   "python -m data_prep --config configs/base.yaml data.source=DIR data.dir=DATA_DIR)" >&2; exit 2; }
@@ -149,8 +151,9 @@ fi
 # repeat a variant, of 40 steps (ten steps of the same settings ran 95k-172k tokens/s on an H100): each second-epoch
 # run trains a whole epoch first, in a process of its own.
 # The rows in the order of what they decide: should the budget cut the bench short, bench.json keeps those done.
-ROWS="[naive_vs_default, cuda_graphs, precision_bf16, precision_fp16, fused_optimizer, workers, pin_memory, "
-ROWS+="cudnn_benchmark, attention_kernel, fused_loss, pad_multiple, pad_rows, precision_bf16_epoch2, precision_fp16_epoch2]"
+ROWS="naive_vs_default, cuda_graphs, precision_bf16, precision_fp16, fused_optimizer, workers, pin_memory, "
+ROWS+="cudnn_benchmark, attention_kernel, fused_loss, pad_multiple, pad_rows, precision_bf16_epoch2, precision_fp16_epoch2"
+ROWS="[${GPU_CHECK_BENCH_ROWS:-$ROWS}]"
 step 2 bench 270 "$PY" -m summarizer bench "${COMMON[@]}" run.name=gc_bench "run.dir=$OUT/bench" "bench.rows=$ROWS" \
   $([ "$DEV" = cuda ] && echo bench.repeats=1 bench.warmup=1 bench.steps=40 || echo bench.repeats=1 bench.warmup=0 bench.steps=2) \
   bench.find_batch_tokens=false

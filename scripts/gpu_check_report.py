@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import statistics
@@ -221,10 +222,11 @@ def machine(device: str) -> str:
         name = f"CPU {models[0] if models else platform.processor()} ({torch.get_num_threads()} threads)"
     try:
         # "-dirty" when the tree differs from the commit: the code that ran is then not the commit named
-        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
-                                text=True, check=True).stdout.strip()
+        commit = os.environ.get("GPU_CHECK_COMMIT") or subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True,
+            check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        commit = "unknown (no git here: set GPU_CHECK_COMMIT)"
     return f"{name}; torch {torch.__version__}; commit {commit}"
 
 

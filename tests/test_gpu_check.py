@@ -196,6 +196,23 @@ def test_only_the_parts_asked_for_run(tmp_path):
     assert re.search(r"6 profile, train fp32, first steps: most time: aten::", table), table
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("bash") and shutil.which("timeout")), reason="needs bash and timeout")
+def test_the_bench_rows_and_the_commit_named_can_be_set(tmp_path):
+    """GPU_CHECK_BENCH_ROWS: part 2 runs those rows alone; GPU_CHECK_COMMIT: the commit a copy without .git ran."""
+    from tests.fixture_data import prepared
+    prepared("tiny", tmp_path / "data")
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "12", "OUT": str(tmp_path / "out"),
+           "PYTHON": sys.executable, "GPU_CHECK_PARTS": "2", "GPU_CHECK_BENCH_ROWS": "set_to_none",
+           "GPU_CHECK_COMMIT": "abc1234"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "data")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert [r[:2] for r in table_rows(table)] == [["2 bench", "set_to_none (tokens/s, on)"]], table
+    assert "commit abc1234" in table
+
+
 def test_the_decode_profile_rows_include_the_gpus_waits(tmp_path):
     decode = tmp_path / "profile" / "decode"
     decode.mkdir(parents=True)
