@@ -35,6 +35,7 @@ def test_padding_is_computed_but_is_not_model_work():
 @pytest.mark.parametrize("name, precision, peak", [
     ("NVIDIA H100 80GB HBM3", "bf16", 989e12), ("NVIDIA H100 80GB HBM3", "fp32", 495e12),  # SXM; fp32 runs as TF32
     ("NVIDIA H100 PCIe", "bf16", 756e12), ("NVIDIA H100 NVL", "fp16", 835e12), ("NVIDIA H200", "bf16", 989e12),
+    ("NVIDIA H200 NVL", "bf16", 835e12),
     ("NVIDIA A100-SXM4-80GB", "fp32", 156e12), ("NVIDIA L40S", "bf16", 362e12), ("NVIDIA L4", "bf16", 121e12),
     ("Tesla V100-SXM2-16GB", "fp32", 15.7e12), ("Tesla T4", "fp16", 65e12)])
 def test_a_gpus_peak_is_its_datasheets_for_the_precision_it_trains_in(monkeypatch, name, precision, peak):

@@ -56,13 +56,14 @@ def batch_flops(cfg: ModelConfig, vocab_size: int, batch: dict) -> tuple[int, in
 
 # Dense (no sparsity) peak FLOP/s from the vendors' datasheets, by a part of the device's name (the longest that
 # matches) and precision. fp32 is TF32 where the GPU has it (Ampere and newer): runtime.setup lets matmuls use it.
-# H100 SXM ("NVIDIA H100 80GB HBM3") and H200: 989 TF bf16/fp16, 495 TF32; H100 PCIe 756 / 378; H100 NVL 835 / 418;
-# A100 312 / 156; L40S 362 / 183; L40 181 / 90.5; L4 121 / 60; V100 125 fp16 (tensor cores) / 15.7 fp32 (no
-# TF32); T4 65 / 8.1.
+# H100 SXM ("NVIDIA H100 80GB HBM3") and H200: 989 TF bf16/fp16, 495 TF32; H100 PCIe 756 / 378; H100 NVL and
+# H200 NVL 835 / 418; A100 312 / 156; L40S 362 / 183; L40 181 / 90.5; L4 121 / 60; V100 125 fp16 (tensor cores) /
+# 15.7 fp32 (no TF32); T4 65 / 8.1.
 GPU_PEAK = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 495e12},
             "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 495e12},
             "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 378e12},
             "H100 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 418e12},
+            "H200 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 418e12},
             "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
             "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12},
             "L40": {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12},
