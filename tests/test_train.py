@@ -657,3 +657,23 @@ def test_a_validation_worker_that_dies_during_validation_is_a_dead_worker_too(ti
     with pytest.raises(guard.TrainingAborted, match="DataLoader worker"):
         train_mod.train(cfg)
     assert json.loads((tmp_path / "run" / "latest.json").read_text())["step"] == 6
+
+
+def test_a_resume_may_change_the_precision_and_the_fused_optimizer(tiny_data, tmp_path):
+    """Both are resume-time settings: a scaler saved disabled (fp32) leaves an fp16 resume's scaler fresh, and the
+    optimizer keeps this run's kernel (fused or not) with the checkpoint's moments."""
+    run, steps = tmp_path / "run", iter(range(4, 20, 4))
+
+    def resume(*settings):
+        step = next(steps)
+        cfg = make_cfg(tiny_data, run, f"train.max_steps={step}", "train.ckpt_every=4", "train.eval_every=4",
+                       "train.ema_decay=0", *settings)
+        assert train_mod.train(cfg)["steps"] == step
+        return torch.load(run / f"ckpt_{step:08d}.pt", weights_only=False)
+
+    resume("train.precision=fp32", "train.fused_optimizer=true")
+    saved = resume("train.precision=fp16", "train.fused_optimizer=false")
+    assert saved["scaler"]["scale"] > 0 and not any(g.get("fused") for g in saved["optimizer"]["param_groups"])
+    saved = resume("train.precision=fp16", "train.fused_optimizer=true")
+    assert all(g["fused"] for g in saved["optimizer"]["param_groups"])
+    assert all(s["step"] == 12 for s in saved["optimizer"]["state"].values())  # the moments went on, not anew

@@ -60,9 +60,27 @@ def build(cfg: Config, rt: Runtime, meta: dict, state: dict | None = None, init:
     model = place_model(model, rt, cfg.placement.pipeline_chunks)
     optimizer, scaler = build_optimizer(model, cfg.train), runtime.make_scaler(rt)
     if state:
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
+        restore_optimizer(optimizer, scaler, state)
     return model, optimizer, scaler
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, scaler, state: dict) -> None:
+    """A checkpoint's AdamW moments and loss scale, into this run's optimizer and scaler as its settings made them
+    (train.fused_optimizer and train.precision may change on resume). load_state_dict takes each group's kernel
+    flags from the checkpoint: this run's are put back, with the step counts where a fused kernel reads them (float32,
+    on the parameter's device). A scaler saved disabled (fp32, bf16) holds nothing: an fp16 run's starts afresh."""
+    kernels = [{k: group[k] for k in ("fused", "foreach", "capturable") if k in group}
+               for group in optimizer.param_groups]
+    optimizer.load_state_dict(state["optimizer"])
+    for group, own in zip(optimizer.param_groups, kernels, strict=True):
+        group.update(own)
+        if group.get("fused") or group.get("capturable"):
+            for p in group["params"]:
+                moments = optimizer.state.get(p, {})
+                if "step" in moments:
+                    moments["step"] = moments["step"].to(device=p.device, dtype=torch.float32)
+    if state["scaler"] and scaler.is_enabled():
+        scaler.load_state_dict(state["scaler"])
 
 
 def resume_state(cfg: Config, meta: dict) -> tuple[dict | None, list[dict]]:
@@ -265,8 +283,7 @@ def rollback(s: Session) -> int | None:
         return None
     state = found[0]
     runtime.unwrap(s.model).load_state_dict(state["model"])
-    s.optimizer.load_state_dict(state["optimizer"])
-    s.scaler.load_state_dict(state["scaler"])
+    restore_optimizer(s.optimizer, s.scaler, state)
     if s.ema is not None:
         s.ema.load_state_dict(state["ema"])
     restore_rng(state, s.rt)
