@@ -16,6 +16,17 @@ def test_atomic_save_keeps_last_k_and_points_at_latest(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_a_checkpoint_after_a_resume_from_before_a_torn_one_is_the_one_kept(tmp_path):
+    """ckpt 20 torn by a crash: the run resumed from 10 and saves 15 (a stop, or another ckpt_every) with keep_last
+    1. The torn file's timeline was left: it goes, and 15 stays."""
+    checkpoint.save_step({"step": 10, "w": torch.zeros(1)}, tmp_path, keep_last=1)
+    (tmp_path / "ckpt_00000020.pt").write_bytes(b"half a checkpoint")
+    assert checkpoint.load_latest(tmp_path)[1].name == "ckpt_00000010.pt"
+    checkpoint.save_step({"step": 15, "w": torch.ones(1)}, tmp_path, keep_last=1)
+    assert [p.name for p in tmp_path.glob("ckpt_*.pt")] == ["ckpt_00000015.pt"]
+    assert checkpoint.load_latest(tmp_path)[0]["step"] == 15
+
+
 def test_crash_while_writing_leaves_previous_loadable(tmp_path, monkeypatch):
     checkpoint.save_step({"step": 1, "w": torch.zeros(1)}, tmp_path, keep_last=2)
 

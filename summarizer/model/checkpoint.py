@@ -115,11 +115,15 @@ def step_path(run_dir: Path, step: int) -> Path:
 
 
 def save_step(state: dict, run_dir: Path, keep_last: int) -> Path:
-    """Save a step checkpoint, point `latest` at it, then prune all but the newest `keep_last`."""
+    """Save a step checkpoint, point `latest` at it, then prune all but the newest `keep_last`: this one and the
+    ones before it. Any after it are of a timeline the run left when it resumed before them (a checkpoint torn
+    by a crash, or written just before one, its pointer not yet moved): they go, and never push this one out."""
     path = step_path(run_dir, state["step"])
     save(state, path)
     atomic_write(run_dir / LATEST, json.dumps({"checkpoint": path.name, "step": state["step"]}))
-    for old in sorted(run_dir.glob("ckpt_*.pt"))[:-max(keep_last, 1)]:
+    files = sorted(run_dir.glob("ckpt_*.pt"))
+    after, upto = [f for f in files if f.name > path.name], [f for f in files if f.name <= path.name]
+    for old in after + upto[:-max(keep_last, 1)]:
         old.unlink(missing_ok=True)
     return path
 
