@@ -415,6 +415,21 @@ def test_resuming_on_data_with_another_tokenizer_is_refused(tiny_data, tmp_path)
         train_mod.train(cfg)
 
 
+def test_a_run_resumes_only_with_the_number_of_processes_it_trained_with(tiny_data, tmp_path):
+    """Its data position counts each rank's batches: a run of 2 processes resumed by 1 would train half of what
+    they trained again."""
+    from summarizer.errors import ConfigError
+    run = tmp_path / "run"
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=5"))
+    path = run / "ckpt_00000005.pt"
+    state = torch.load(path, weights_only=False)
+    assert state["progress"]["world_size"] == 1
+    state["progress"]["world_size"] = 2
+    torch.save(state, path)
+    with pytest.raises(ConfigError, match="trained in 2 process.*--nproc_per_node=2"):
+        train_mod.train(make_cfg(tiny_data, run, "train.max_steps=10"))
+
+
 def test_run_dir_records_config_manifest_and_tensorboard(tiny_data, tmp_path):
     train_mod.train(make_cfg(tiny_data, tmp_path / "run", "train.max_steps=10", "train.profile_steps=2"))
     run = tmp_path / "run"

@@ -83,6 +83,17 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, scaler, state: dict) -> 
         scaler.load_state_dict(state["scaler"])
 
 
+def check_processes(trained_by: int, now: int) -> None:
+    """A run resumes with the number of processes it trained with: its data position counts each rank's
+    batches of an epoch dealt out over that many ranks (TokenBatchSampler), so another count would train some
+    batches twice and skip others."""
+    if trained_by != now:
+        raise ConfigError(f"this run trained in {trained_by} process(es) and resumes in {now}: its place in the data "
+                          f"is per process, so it resumes only as it trained (torchrun --nproc_per_node={trained_by}"
+                          f"{', or no torchrun' if trained_by == 1 else ''}); a new run (run.name=NEW) may use "
+                          f"train.init_from with any count")
+
+
 def resume_state(cfg: Config, meta: dict) -> tuple[dict | None, list[dict]]:
     """The run's newest readable checkpoint (None for a new run) and the config changes it resumes
     with; refuses another tokenizer and changes that cannot take effect mid-run."""
@@ -224,10 +235,12 @@ def open_session(cfg: Config) -> Session:
     rt.precision = kept or rt.precision  # a resumed run keeps the precision its probe chose on this kind of GPU
     model, optimizer, scaler = build(cfg, rt, meta, state, init)
     ema = build_ema(model, cfg.train.ema_decay, state, cfg.train.max_steps)
-    progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0}
+    progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0,
+                "world_size": rt.world_size}
     if state is not None:
         restore_rng(state, rt)
         progress = state["progress"]
+        check_processes(progress.setdefault("world_size", rt.world_size), rt.world_size)
     del state  # the weights now live in the model
     scheduler = build_scheduler(optimizer, cfg.train, progress["step"])
     resample = SegmentationSampler(tokenizer, cfg.data.subword_alpha, cfg.data.subword_nbest, cfg.train.seed) \
