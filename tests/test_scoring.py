@@ -50,14 +50,17 @@ def test_truncation_never_splits_a_character():
     assert truncate_bytes("zürich café", 12, whole_words=True) == "zürich"
 
 
-def test_f_takes_the_best_reference_and_recall_the_mean_over_references():
+def test_f_takes_the_best_reference_and_recall_pools_the_references_as_rouge_155_does():
+    """ROUGE-1.5.5 -f A (its default for several references) sums hits and counts over the references."""
     pred = ["police arrest suspect"]
-    refs = [["police arrest suspect in bank robbery", "police arrest suspect"]]  # recall 3/6 and 3/3
-    by_f, by_r = pair_scores(pred, refs, "f")[0, 0], pair_scores(pred, refs, "r")[0, 0]  # rouge1: p, r, f
-    assert by_f[2] == pytest.approx(1.0) and by_f[1] == pytest.approx(1.0)  # the identical reference
-    assert by_r[1] == pytest.approx(0.75)  # ROUGE-1.5.5's default for several references: their mean
+    refs = [["police arrest suspect in bank robbery", "police arrest suspect"]]  # 3 of 6 tokens, 3 of 3
+    by_f, by_r = pair_scores(pred, refs, "f")[0], pair_scores(pred, refs, "r")[0]  # (rouge1, 2, L) x (p, r, f)
+    assert by_f[0, 2] == pytest.approx(1.0) and by_f[0, 1] == pytest.approx(1.0)  # the identical reference
+    assert by_r[0, 1] == pytest.approx(6 / 9)  # (3 + 3) / (6 + 3), not the mean of 3/6 and 3/3
+    assert by_r[1, 1] == pytest.approx(4 / 7)  # bigrams: (2 + 2) / (5 + 2)
+    assert by_r[0, 0] == pytest.approx(1.0) and by_r[0, 2] == pytest.approx(2 * (6 / 9) / (1 + 6 / 9))
     report = rouge_report(pred * 2, refs * 2, samples=20, measure="r")
-    assert report["rouge1"]["r"] == pytest.approx(75.0) and report["rouge1"]["r_ci"] == pytest.approx([75, 75])
+    assert report["rouge1"]["r"] == pytest.approx(600 / 9) and report["rouge1"]["r_ci"] == pytest.approx([600 / 9] * 2)
 
 
 def test_quality_rates_on_hand_made_cases():

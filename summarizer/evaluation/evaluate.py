@@ -43,7 +43,7 @@ def score(cfg: Config, meta: dict, pairs: list[dict], predictions: list[str]) ->
 
 def settings(cfg: Config, name: str, n: int, source: dict, precision: str) -> dict:
     e = cfg.eval
-    references = ("mean over each pair's references (ROUGE-1.5.5's -f A)" if e.truncate_bytes
+    references = ("each pair's references pooled, hits and counts summed (ROUGE-1.5.5's -f A)" if e.truncate_bytes
                   else "best reference per ROUGE type")
     return {
         "scorer": "rouge-score (Google) with Porter stemming, default tokenizer (lower-cased, alphanumeric)",

@@ -7,7 +7,7 @@ import sys
 from collections import Counter
 
 import numpy as np
-from rouge_score import rouge_scorer
+from rouge_score import rouge_scorer, tokenizers
 from tqdm import tqdm
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
@@ -26,13 +26,17 @@ def pair_scores(predictions: list[str], references: list[list[str]], measure: st
     """(pairs, 3 ROUGE types, 3 measures p/r/f) as fractions, over each pair's references.
 
     For F (`measure` "f"), each ROUGE type takes the best reference, the one with the highest F
-    (rouge-score's score_multi), keeping its p, r and f together. For recall ("r", DUC's measure),
-    each measure is the mean over the references, as ROUGE-1.5.5 scores several references by
-    default (`-f A`): a summary is credited for what every reference has, not only the closest one.
+    (rouge-score's score_multi), keeping its p, r and f together. For recall ("r", DUC's measure), the
+    references are pooled as ROUGE-1.5.5 pools them by default (`-f A`, its computeNGramScore and
+    computeLCSScore): recall is the hits summed over the references over their n-grams (ROUGE-L: tokens)
+    summed, precision the hits summed over the summary's n-grams counted once per reference, F of those two.
+    A summary is credited for what every reference has, not only the closest one, and a long reference
+    weighs as much as its n-grams.
     """
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
     scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
+    words = tokenizers.DefaultTokenizer()  # the scorer's tokens (its stemmer maps one to one): for counting them
     pick = MEASURES.index(measure)
     out = np.zeros((len(predictions), len(ROUGE_TYPES), len(MEASURES)))
     pairs = zip(predictions, references, strict=True)
@@ -42,11 +46,26 @@ def pair_scores(predictions: list[str], references: list[list[str]], measure: st
         per_ref = np.array([[(s.precision, s.recall, s.fmeasure) for s in (scores[kind] for kind in ROUGE_TYPES)]
                             for scores in (scorer.score(unify_unk(ref), pred) for ref in refs)])  # (refs, 3, 3)
         if measure == "r":
-            out[i] = per_ref.mean(axis=0)
+            out[i] = pooled(per_ref, [len(words.tokenize(unify_unk(ref))) for ref in refs])
         else:
             best = per_ref[:, :, pick].argmax(axis=0)  # per type
             out[i] = per_ref[best, np.arange(len(ROUGE_TYPES))]
     return out
+
+
+def pooled(per_ref: np.ndarray, lengths: list[int]) -> np.ndarray:
+    """(3 ROUGE types, p/r/f) of one summary over its references as ROUGE-1.5.5 `-f A` pools them, from each
+    reference's (refs, 3, 3) scores and its length in tokens: a reference's hits are its recall times its
+    units (ROUGE-1: tokens, ROUGE-2: tokens - 1, ROUGE-L: tokens), and precision's units are the summary's,
+    the same for every reference, so pooled precision is the references' mean."""
+    units = np.array([[max(n - 1, 0) if kind == "rouge2" else n for kind in ROUGE_TYPES] for n in lengths], float)
+    total = units.sum(axis=0)
+    recall = np.divide((per_ref[:, :, 1] * units).sum(axis=0), total, out=np.zeros(len(ROUGE_TYPES)),
+                       where=total > 0)
+    precision = per_ref[:, :, 0].mean(axis=0)
+    both = precision + recall
+    f = np.divide(2 * precision * recall, both, out=np.zeros(len(ROUGE_TYPES)), where=both > 0)
+    return np.stack([precision, recall, f], axis=1)
 
 
 def bootstrap_means(values: np.ndarray, samples: int, rng: np.random.Generator) -> np.ndarray:

@@ -149,7 +149,8 @@ def compare(a: str, b: str, ref: str, out_dir: str | Path = ".", samples: int = 
         "settings": {"scorer": "rouge-score (Google) with Porter stemming, default tokenizer (lower-cased, "
                                "alphanumeric); averaged over pairs",
                      "measure": f"recall of the first {truncate} bytes" if truncate else "F-measure, full length",
-                     "references": "best reference per metric (score_multi)",
+                     "references": ("pooled, hits and counts summed (ROUGE-1.5.5's -f A)" if truncate
+                                    else "best reference per metric (score_multi)"),
                      "unk": "UNK and <unk> scored as the same word",
                      "samples": samples, "seed": seed, **METHODS}}
     return write_report(out, report, WRITER, "--out")
