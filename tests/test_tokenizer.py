@@ -156,3 +156,6 @@ def test_restore_digits_puts_back_what_masking_hid():
     assert restore_digits("## analysts see ### yen", source) == "12 analysts see 120 yen"
     assert restore_digits("##### yen", source) == "##### yen"  # nothing in the source masks to it
     assert restore_digits("shares fall #.# percent", "shares fell #.# percent") == "shares fall #.# percent"
+    # a raw source's numbers beside punctuation, as its words were split for the model (PTB): $, %, the full stop
+    assert restore_digits("oil rises to $ ##.## , up # % from ####", "Oil rose to $75.50 a barrel, up 5% from 1999.") \
+        == "oil rises to $ 75.50 , up 5 % from 1999"

@@ -77,15 +77,23 @@ def normalize_as(text: str, normalization: dict) -> str:
 
 def restore_digits(summary: str, source: str) -> str:
     """Undo digit masking where the source tells how: each masked word of `summary` (`##.#`) becomes the first
-    word of the raw `source` that masks to it (`12.5`), in the summary's case. Words the source cannot
-    explain stay as they are, so text whose digits were masked before it came in is left unchanged."""
+    word of the raw `source` that masks to it (`12.5`), in the summary's case: a word between spaces, else one
+    as the Treebank tokenizer splits it from its punctuation (`$75.50,` holds `75.50`; `1999.` holds `1999`).
+    Words the source cannot explain stay as they are, so text whose digits were masked before it came in is
+    left unchanged."""
     lower = summary == summary.lower()
     originals: dict[str, str] = {}
-    for word in source.split():
-        word = word.lower() if lower else word
-        masked = _DIGIT_RE.sub("#", word)
-        if masked != word:
-            originals.setdefault(masked, word)
+
+    def learn(words: list[str]) -> None:
+        for word in words:
+            word = word.lower() if lower else word
+            masked = _DIGIT_RE.sub("#", word)
+            if masked != word:
+                originals.setdefault(masked, word)
+
+    learn(source.split())
+    if any("#" in w and w not in originals for w in summary.split(" ")):
+        learn(ptb_words(source, digits_masked=False).split())
     return " ".join(originals.get(w, w) for w in summary.split(" ")) if originals else summary
 
 
