@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import codecs
 import itertools
+import select
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -18,7 +19,8 @@ from summarizer.decode.lexicon import lexicon
 from summarizer.decode.quantize import decoding_precision
 from summarizer.decode.search import copied_unknowns, decode_all
 
-CHUNK_LINES = 256  # lines read, decoded and written at a time: memory stays constant, output flows
+CHUNK_LINES = 256  # lines read, decoded and written at a time at most: memory stays constant, output flows
+WAITING = None  # input_lines: the lines so far are all the input has now (reading on would wait for more)
 READ_BYTES = 1 << 16  # read at a time: a line of any length passes through in pieces, never whole
 # Bytes of a line kept per source token (data.max_source_len): a vocabulary piece spans at most 16 characters
 # (SentencePiece's max_sentencepiece_length) of at most 4 bytes, and this leaves ample room for whitespace.
@@ -29,20 +31,34 @@ BYTES_PER_TOKEN = 256
 MAC_WINDOW = 1 << 20
 
 
-def input_lines(stream, cap: int) -> Iterator[tuple[bytes, bool]]:
+def input_lines(stream, cap: int) -> Iterator[tuple[bytes, bool] | None]:
     r"""The lines of binary `stream`, each as (its first `cap` bytes, whether bytes past them were dropped), read
-    READ_BYTES at a time. A line ends at \n (a CR right before it is dropped; any other CR is whitespace), or
-    at CR in an input with old Mac line ends (MAC_WINDOW)."""
+    READ_BYTES at a time, and WAITING wherever the next read would wait for input that has not come yet (a
+    person typing, a program waiting for the answer to its line). A line ends at \n (a CR right before it is
+    dropped; any other CR is whitespace), or at CR in an input with old Mac line ends (MAC_WINDOW)."""
     read = getattr(stream, "read1", stream.read)  # read1: what a pipe holds now, without waiting for more
-    pieces = iter(lambda: read(READ_BYTES), b"")
+
+    def reads() -> Iterator[bytes | None]:
+        while True:
+            if not ready(stream):
+                yield WAITING
+            piece = read(READ_BYTES)
+            if not piece:
+                return
+            yield piece
+
+    pieces = reads()
     head = b""
     for piece in pieces:
-        head += piece
+        head += piece or b""
         if b"\n" in head or len(head) >= MAC_WINDOW:
             break
     end = b"\r" if b"\r" in head and b"\n" not in head and b"\0" not in head else b"\n"
     line, cut = bytearray(), False
     for piece in itertools.chain([head], pieces):
+        if piece is WAITING:
+            yield WAITING
+            continue
         *ended, rest = piece.split(end)
         for part in ended:
             cut = _keep(line, part, cap) or cut
@@ -51,6 +67,36 @@ def input_lines(stream, cap: int) -> Iterator[tuple[bytes, bool]]:
         cut = _keep(line, rest, cap) or cut
     if line or cut:
         yield _whole(line, cut, end, cap)
+
+
+def ready(stream) -> bool:
+    """Whether reading `stream` now returns at once (input waiting, or its end); True for a stream without a file
+    descriptor (in memory) or a regular file. A BufferedReader's own buffer is not looked at: there a False only
+    ends a chunk early."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return True
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def chunks(lines: Iterable[tuple[bytes, bool] | None], size: int) -> Iterator[list[tuple[int, tuple[bytes, bool]]]]:
+    """`input_lines`' lines, numbered from 1, in lists of at most `size`: a list ends early where the input has
+    no more lines waiting, so their summaries go out before the process waits for more."""
+    chunk, number = [], 0
+    for item in lines:
+        if item is WAITING:
+            if chunk:
+                yield chunk
+                chunk = []
+            continue
+        number += 1
+        chunk.append((number, item))
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def _keep(line: bytearray, part: bytes, cap: int) -> bool:
@@ -88,7 +134,8 @@ def decode_lines(numbered: Iterable[tuple[int, tuple[bytes, bool]]], warn: Calla
 def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     """Summaries of `stdin` (a binary stream) written to `stdout`, normalised the way the training data was.
 
-    Input is read CHUNK_LINES at a time, and of each line only what data.max_source_len can use
+    Input is read CHUNK_LINES at a time, or fewer where no more are waiting (`chunks`: a line typed or sent
+    and waited on is answered at once), and of each line only what data.max_source_len can use
     (BYTES_PER_TOKEN), so a file or a line of any size runs in constant memory; each chunk's summaries are
     written and flushed in input order before the next is read. One input line (`input_lines`) gives one
     output line, whatever its bytes: an empty line gives an empty summary, control characters are spaces,
@@ -103,14 +150,14 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     model, _ = load_model(eval_checkpoint(cfg), rt, meta, cfg.eval.quantize)
     norm = meta["normalization"]
     cap = BYTES_PER_TOKEN * cfg.data.max_source_len
-    numbered = enumerate(input_lines(stdin, cap), start=1)
     bar = tqdm(unit=" lines", desc="summarize", file=sys.stderr, disable=True if quiet else None)
     started, lines = time.perf_counter(), 0
 
     def warn(message: str) -> None:
         bar.write(message, file=sys.stderr)
 
-    while chunk := decode_lines(itertools.islice(numbered, CHUNK_LINES), warn, cap):
+    for numbered in chunks(input_lines(stdin, cap), CHUNK_LINES):
+        chunk = decode_lines(numbered, warn, cap)
         sources = [tokenizer.encode_raw(text, norm)[:cfg.data.max_source_len] for text in chunk]
         hyps = decode_all(model, sources, cfg.eval, rt, lexicon=lexicon(cfg.data.dir))
         copied = copied_unknowns(model, sources, hyps, rt) if cfg.eval.readable else [None] * len(hyps)

@@ -110,3 +110,39 @@ def test_n_lines_in_give_n_lines_out_whatever_their_bytes(trained_run):
     assert len(lines) == len(texts) and lines[1] == "" and lines[6] == ""
     alone = run(trained_run, b"rain fell in paris .\n")
     assert lines[2] == alone[0]
+
+
+def test_a_line_sent_and_waited_on_is_answered_before_more_input_comes(trained_run):
+    """A program that writes one line to a pipe and waits for its summary (or a person typing) gets it at once,
+    not after CHUNK_LINES more lines or the end of the input."""
+    import os
+    import threading
+
+    _, args = trained_run
+    cfg = load_config(args[1], [*args[2:], "eval.quantize=none", "eval.beam_size=1"])
+    read_end, write_end = os.pipe()
+
+    class Answers(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.first = threading.Event()
+
+        def flush(self):
+            super().flush()
+            if self.getvalue():
+                self.first.set()
+
+    out, stdin = Answers(), os.fdopen(read_end, "rb")
+    worker = threading.Thread(target=summarize.summarize_stream, args=(cfg, stdin, out, True), daemon=True)
+    worker.start()
+    try:
+        os.write(write_end, b"police arrest a man in paris on monday .\n")
+        answered = out.first.wait(timeout=120)
+        lines_then = out.getvalue().count("\n")
+        os.write(write_end, b"oil prices rose on friday .\n")
+    finally:
+        os.close(write_end)  # the end of the input: the worker finishes either way
+    worker.join(timeout=120)
+    stdin.close()
+    assert answered and lines_then == 1, "no summary while the input stayed open"
+    assert not worker.is_alive() and out.getvalue().count("\n") == 2
