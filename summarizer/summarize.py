@@ -6,6 +6,7 @@ import itertools
 import select
 import sys
 import time
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 
 from tqdm import tqdm
@@ -67,6 +68,12 @@ def input_lines(stream, cap: int) -> Iterator[tuple[bytes, bool] | None]:
         cut = _keep(line, rest, cap) or cut
     if line or cut:
         yield _whole(line, cut, end, cap)
+
+
+def visible(text: str) -> bool:
+    """Whether `text` holds a character that shows: not a space, control or format character (a byte-order
+    mark, a zero-width space), which str.strip() keeps and the tokenizer drops. A line without one is blank."""
+    return any(unicodedata.category(ch)[0] not in "ZC" for ch in text)
 
 
 def ready(stream) -> bool:
@@ -138,8 +145,9 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     and waited on is answered at once), and of each line only what data.max_source_len can use
     (BYTES_PER_TOKEN), so a file or a line of any size runs in constant memory; each chunk's summaries are
     written and flushed in input order before the next is read. One input line (`input_lines`) gives one
-    output line, whatever its bytes: an empty line gives an empty summary, control characters are spaces,
-    and a line with undecodable bytes, or cut for its length, is summarised all the same and named on stderr.
+    output line, whatever its bytes: a line with nothing visible (`visible`) gives an empty summary, control
+    characters are spaces, and a line with undecodable bytes, or cut for its length, is summarised all the same
+    and named on stderr.
     `quiet` prints no bar and no summary line.
     """
     rt = runtime.setup(cfg.system, cfg.placement, decoding_precision(cfg))
@@ -162,7 +170,7 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
         hyps = decode_all(model, sources, cfg.eval, rt, lexicon=lexicon(cfg.data.dir))
         copied = copied_unknowns(model, sources, hyps, rt) if cfg.eval.readable else [None] * len(hyps)
         stdout.write("".join((summary_text(h, text, tokenizer, meta, cfg.eval.truncate_bytes, c)
-                              if text.strip() else "") + "\n" for text, h, c in zip(chunk, hyps, copied, strict=True)))
+                              if visible(text) else "") + "\n" for text, h, c in zip(chunk, hyps, copied, strict=True)))
         stdout.flush()
         lines += len(chunk)
         bar.update(len(chunk))

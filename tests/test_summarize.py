@@ -112,6 +112,14 @@ def test_n_lines_in_give_n_lines_out_whatever_their_bytes(trained_run):
     assert lines[2] == alone[0]
 
 
+def test_a_line_of_invisible_characters_is_blank(trained_run):
+    """A byte-order mark, a zero-width space: kept by str.strip(), dropped by the tokenizer, shown by nothing. Such
+    a line gives an empty summary, as a blank one does, not one made up from no words."""
+    lines = run(trained_run, "\ufeff\r\n\u200b\n \u2060\ufeff \nrain fell in paris .\n".encode())
+    assert lines[:3] == ["", "", ""] and lines[3]
+    assert summarize.visible("\ufeffrain") and not summarize.visible("\u200b \x00\u2028")
+
+
 def test_a_line_sent_and_waited_on_is_answered_before_more_input_comes(trained_run):
     """A program that writes one line to a pipe and waits for its summary (or a person typing) gets it at once,
     not after CHUNK_LINES more lines or the end of the input."""
