@@ -106,19 +106,23 @@ def _progress(run_dir: Path) -> dict | None:
 
 
 def _rouge(run_dir: Path, records: list[dict]) -> dict:
-    """ROUGE F of the run's evaluation (rouge.json), else its best valid ROUGE-1 record from training."""
+    """ROUGE of the run's evaluation (rouge.json) in the measure it scored (F; recall where it cut summaries to
+    eval.truncate_bytes), else the best valid ROUGE-1 record (F) from training."""
     report = _read_json(run_dir / "rouge.json")
     if report and all(kind in report for kind in ROUGE_TYPES):
         settings = report.get("settings", {})
+        cut = settings.get("truncate_bytes") or 0
+        measure = "r" if cut else "f"
         return {"rouge_from": "eval", "eval_split": settings.get("split"), "eval_pairs": settings.get("pairs"),
-                "sentences_per_s": report.get("sentences_per_s"),
-                **{kind: report[kind]["f"] for kind in ROUGE_TYPES},
-                **{f"{kind}_ci": report[kind].get("f_ci") for kind in ROUGE_TYPES}}
+                "rouge_measure": f"recall@{cut}" if cut else "F", "sentences_per_s": report.get("sentences_per_s"),
+                **{kind: report[kind][measure] for kind in ROUGE_TYPES},
+                **{f"{kind}_ci": report[kind].get(f"{measure}_ci") for kind in ROUGE_TYPES}}
     valid = [r for r in records if r.get("split") == "valid" and r.get("rouge1") is not None]
     if not valid:
         return {"rouge_from": None}
     best = max(valid, key=lambda r: r["rouge1"])
-    return {"rouge_from": "valid", "valid_step": best["step"], **{kind: best.get(kind) for kind in ROUGE_TYPES}}
+    return {"rouge_from": "valid", "valid_step": best["step"], "rouge_measure": "F",
+            **{kind: best.get(kind) for kind in ROUGE_TYPES}}
 
 
 def _run_name(run_dir: Path) -> str | None:
@@ -208,7 +212,8 @@ def markdown_cells(row: dict) -> list[str]:
     device = row["device"] or "—"
     if (row["world_size"] or 1) > 1:
         device = f"{row['world_size']}× {device}"
-    evaluated = f"{row['eval_split']} ({row['eval_pairs']})" if row["rouge_from"] == "eval" else (
+    measure = "" if row.get("rouge_measure", "F") == "F" else f", {row['rouge_measure']}"
+    evaluated = f"{row['eval_split']} ({row['eval_pairs']}){measure}" if row["rouge_from"] == "eval" else (
         f"valid, step {row['valid_step']}" if row["rouge_from"] == "valid" else "—")
     return [row["run"], ", ".join(row["differs"]) or "(recipe)",
             f"{row['steps']:,}" if row["steps"] is not None else "—",
@@ -228,7 +233,7 @@ def markdown(rows: list[dict]) -> str:
 def csv_text(rows: list[dict]) -> str:
     """One line per run, numbers unformatted; ROUGE intervals in their own columns."""
     fields = ["run", "path", "differs", "steps", "minutes", "precision", "device", "world_size", "commit", "dirty",
-              "rouge_from", "eval_split", "eval_pairs", "valid_step"]
+              "rouge_from", "eval_split", "eval_pairs", "valid_step", "rouge_measure"]
     for kind in ROUGE_TYPES:
         fields += [kind, f"{kind}_low", f"{kind}_high"]
     fields += ["sentences_per_s", "train_flops"]

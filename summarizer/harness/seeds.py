@@ -21,8 +21,10 @@ from summarizer.outputs import check_report_target, write_report
 from summarizer.train.stages import train_stages
 
 NAMES = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L"}
-# rouge.json settings that must equal the current eval config for an evaluation to be reused
-EVAL_KEYS = ("split", "beam_size", "max_len", "min_len", "length_penalty", "no_repeat_ngram")
+# rouge.json settings that must equal the current eval config for an evaluation to be reused (and, where the
+# config sets them rather than leaving them to auto, its quantize and precision; its pairs file: `pairs_file`)
+EVAL_KEYS = ("split", "beam_size", "max_len", "min_len", "length_penalty", "no_repeat_ngram", "known_words",
+             "no_repeat_words", "truncate_bytes")
 
 
 def _seeded(path: str, stage: str, seed: int) -> str:
@@ -65,6 +67,10 @@ def current_evaluation(cfg: Config) -> dict | None:
         return None
     if any(settings.get(key) != getattr(cfg.eval, key) for key in EVAL_KEYS):
         return None
+    if settings.get("pairs_file") != (cfg.eval.pairs or None) or any(
+            getattr(cfg.eval, key) != "auto" and settings.get(key) != getattr(cfg.eval, key)
+            for key in ("quantize", "precision")):
+        return None
     pairs = len(read_pairs(cfg.data.dir, cfg.eval.split))
     scored = settings.get("checkpoint", {})
     if settings.get("pairs") != (min(pairs, cfg.eval.limit) if cfg.eval.limit else pairs):
@@ -88,7 +94,7 @@ def run_seed(stages: list[tuple[str, Config]]) -> dict:
 
 
 def summarize_seeds(name: str, runs: list[dict]) -> dict:
-    """Mean and sample standard deviation (ddof 1; None for one seed) of each ROUGE F over the runs."""
+    """Mean and sample standard deviation (ddof 1; None for one seed) of each ROUGE score over the runs."""
     summary = {"name": name, "seeds": [r["seed"] for r in runs], "runs": runs, "mean": {}, "std": {}}
     for kind in ROUGE_TYPES:
         values = np.array([r[kind] for r in runs])
@@ -115,8 +121,9 @@ def run_seeds(stages: list[tuple[str, Config]], n: int) -> tuple[dict, Path]:
     for seed in range(1, n + 1):
         seeded = seed_stages(stages, seed)
         report = run_seed(seeded)
+        measure = "r" if report["settings"].get("truncate_bytes") else "f"  # what the evaluation measured
         runs.append({"seed": seed, "run_dir": str(seeded[-1][1].run_dir),
-                     **{kind: report[kind]["f"] for kind in ROUGE_TYPES},
+                     **{kind: report[kind][measure] for kind in ROUGE_TYPES},
                      "checkpoint_step": report["settings"]["checkpoint"]["step"]})
     summary = summarize_seeds(name, runs)
     cfg = stages[-1][1]
@@ -127,8 +134,9 @@ def run_seeds(stages: list[tuple[str, Config]], n: int) -> tuple[dict, Path]:
 
 def format_summary(summary: dict) -> str:
     e = summary["eval"]
+    measure = f"recall of the first {e['truncate_bytes']} bytes" if e.get("truncate_bytes") else "F"
     lines = [f"{summary['name']}, seeds {', '.join(map(str, summary['seeds']))} ({e['split']}, {e['pairs']} pairs, "
-             f"beam {e['beam_size']}): ROUGE F, mean ± sample std"]
+             f"beam {e['beam_size']}): ROUGE {measure}, mean ± sample std"]
     for kind in ROUGE_TYPES:
         std = summary["std"][kind]
         values = ", ".join(f"{r[kind]:.2f}" for r in summary["runs"])

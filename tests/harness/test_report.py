@@ -63,6 +63,21 @@ def test_markdown_table_shows_diff_progress_provenance_and_rouge(runs, capsys):
     assert "note: skipped" in captured.err and "junk" in captured.err and "seeds_x" not in captured.err
 
 
+def test_an_evaluation_in_recall_at_n_bytes_shows_recall_and_says_so(tmp_path, capsys):
+    """DUC's measure: rouge.json's recall, named in the eval column, not the F of truncated summaries."""
+    from summarizer.__main__ import main
+    run_dir = make_run(tmp_path, "duc", [], [30.0], True)
+    report = json.loads((run_dir / "rouge.json").read_text())
+    for kind in ("rouge1", "rouge2", "rougeL"):
+        report[kind].update(r=report[kind]["f"] - 10, r_ci=[1.0, 2.0], f_ci=None)
+    report["settings"].update(truncate_bytes=75)
+    (run_dir / "rouge.json").write_text(json.dumps(report))
+    assert main(["report", "--root", str(tmp_path)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| duc "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[7:10] == ["test (2000), recall@75", "25.7 [1.0–2.0]", "5.9 [1.0–2.0]"]
+
+
 def test_a_run_without_evaluation_shows_its_best_valid_rouge_marked(runs, capsys):
     rows = {row["run"]: row for row in collect([], runs)}
     table = markdown(list(rows.values()))

@@ -87,6 +87,16 @@ def test_only_missing_or_stale_evaluations_are_redone(two_seeds, monkeypatch):
     assert json.loads((tmp / "seeds_tiny.json").read_text())["eval"]["pairs"] == 6
 
 
+def test_an_evaluation_is_reused_only_for_the_settings_it_scored_with(two_seeds):
+    """Each of these changes what is decoded or how it is scored: the rouge.json of other settings is stale."""
+    _, args = two_seeds
+    seeds.run_seeds(cfg_of(args), 2)  # evaluated with these settings, whatever an earlier test left
+    assert seeds.current_evaluation(seed_config(cfg_of(args), 1)) is not None
+    for change in ("eval.truncate_bytes=75", "eval.known_words=false", "eval.no_repeat_words=false",
+                   "eval.quantize=none", "eval.precision=bf16", f"eval.pairs={args[2].split('=', 1)[1]}/test.jsonl"):
+        assert seeds.current_evaluation(seed_config(cfg_of(args, change), 1)) is None, change
+
+
 def test_an_unfinished_run_is_resumed(two_seeds):
     _, args = two_seeds
     assert stage_runner.training_finished(seed_config(cfg_of(args), 1)) == 4
