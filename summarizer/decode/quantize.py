@@ -7,6 +7,10 @@ its own int8 copy here), computes with int8 weights and activations quantized on
 scores and the copy mixture stay in float32. Weights shrink 4x and the matmuls run faster; the
 cost in ROUGE is measured by `make bench` and on both dev sets with three seeds (docs/results.md):
 within the seeds' noise, so `auto` (the default) decodes in int8 wherever the CPU would decode in fp32.
+Each layer's input gets one activation scale, the batch's: a sentence's summary can differ with the
+sentences decoded beside it (eval.batch_tokens, eval.threads, the lines `summarize` reads together), where
+`eval.quantize=none` decodes each alike in any batch. Scales per row remove that but decoded at 0.71-0.89x
+(docs/experiments/decoding.md, "int8 activations scaled per row").
 """
 from __future__ import annotations
 
