@@ -60,12 +60,12 @@ def run(args: argparse.Namespace) -> int:
         if summary["signal"] is None:
             return 0
         name = signal.Signals(summary["signal"]).name
-        if summary["finished"]:  # the signal cut the final validation short: the training itself is complete
-            print(f"finished at step {summary['steps']}; {name} cut its final validation short (best.pt is the best "
-                  f"validated before it; `make eval` scores any checkpoint)", file=sys.stderr)
+        if summary["finished"]:  # the signal came after the last validation: nothing is left to do
+            print(f"finished at step {summary['steps']} ({name} came after its last validation)", file=sys.stderr)
             return 0
-        print(f"stopped by {name} at step {summary['steps']}, after writing its checkpoint; run the same command "
-              f"again to resume", file=sys.stderr)
+        owed = " before its validation" if summary["owes_validation"] else ""
+        print(f"stopped by {name} at step {summary['steps']}{owed}, after writing its checkpoint; run the same "
+              f"command again to resume{' (the validation first)' if owed else ''}", file=sys.stderr)
         return 128 + summary["signal"]  # as shells expect, so a scheduler records a stop, not a failure
     cfg = load_config(args.config, args.overrides)
     if args.command == "overfit":

@@ -78,7 +78,11 @@ def test_a_stop_signal_during_validation_abandons_it_for_the_checkpoint(tiny_dat
     assert summary["signal"] == signal.SIGTERM
 
 
-def test_a_signal_during_the_final_validation_reports_a_finished_run(tiny_data, tmp_path, monkeypatch, capsys):
+def test_a_final_validation_a_signal_cut_short_is_done_by_the_next_run(tiny_data, tmp_path, monkeypatch, capsys):
+    """The training is complete, its final validation (best.pt, the last valid row) is not: the checkpoint owes it,
+    the run says so and exits as stopped, and the same command then validates and finishes."""
+    real_validate = train_mod.validate
+
     def signalled_validation(session, extra, rouge, abandonable):
         with abandonable():
             os.kill(os.getpid(), signal.SIGTERM)
@@ -86,11 +90,16 @@ def test_a_signal_during_the_final_validation_reports_a_finished_run(tiny_data, 
         return False
 
     monkeypatch.setattr(train_mod, "validate", signalled_validation)
-    rc = main(["train", "--config", str(ROOT / "configs/tiny.yaml"),
-               *overrides(tiny_data, tmp_path / "run", "train.max_steps=10", "train.eval_every=100")])
+    args = ["train", "--config", str(ROOT / "configs/tiny.yaml"),
+            *overrides(tiny_data, tmp_path / "run", "train.max_steps=10", "train.eval_every=100")]
+    rc = main(args)
     err = capsys.readouterr().err
-    assert rc == 0 and "finished at step 10" in err and "resume" not in err
-    assert latest_step(tmp_path / "run") == 10
+    assert rc == 128 + signal.SIGTERM and "stopped by SIGTERM at step 10 before its validation" in err
+    assert latest_step(tmp_path / "run") == 10 and not records(tmp_path / "run", "valid")
+    monkeypatch.setattr(train_mod, "validate", real_validate)
+    assert main(args) == 0
+    assert [r["step"] for r in records(tmp_path / "run", "valid")] == [10]
+    assert main(args) == 0 and "the run is finished: nothing to train" in capsys.readouterr().out
 
 
 def test_a_second_signal_exits_at_once(tiny_data, tmp_path, monkeypatch, capsys):
@@ -250,10 +259,10 @@ def test_a_checkpoint_only_one_rank_may_write_does_not_gather_the_ranks_streams(
         rt=types.SimpleNamespace(distributed=False), scheduler=types.SimpleNamespace(get_last_lr=lambda: [1e-3]),
         monitor=types.SimpleNamespace(write=lambda message: None))
     loop = types.SimpleNamespace(stop=stop, window=window)
-    assert loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0)}, time_up=False) is True
-    assert saved == [False]
+    assert loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0), "modules": {}}, time_up=False) is True
+    assert saved == [False] and session.progress["owed"]["validate"]  # done when the run resumes
     session.progress["step"], stop.signum = 20, None  # the checkpoint interval, with the same signal
-    assert loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0)}, time_up=False) is True
+    assert loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0), "modules": {}}, time_up=False) is True
     assert saved == [False, True]
 
 
@@ -279,3 +288,34 @@ def test_numbers_reach_the_device_without_draining_its_queue(device):
     from summarizer import runtime
     value = runtime.device_tensor([1.0, 2.5], torch.device(device))
     assert value.device.type == device and value.tolist() == [1.0, 2.5]
+
+
+@pytest.mark.parametrize("stop_at", [7, 10])  # inside a log interval; the final step, owing its log row and validation
+def test_a_run_stopped_and_resumed_logs_and_validates_as_one_never_stopped(tiny_data, tmp_path, monkeypatch, stop_at):
+    """A stop checkpoints the finished step before its log row and validation: the checkpoint keeps them owed, with
+    the interval's sums so far, and the resumed run does them first. Its metrics and best.pt are an unstopped run's."""
+    def run(run_dir, stop=None):
+        real_step, steps = train_mod.train_step, []
+
+        def step(*args, **kwargs):
+            out = real_step(*args, **kwargs)
+            steps.append(1)
+            if len(steps) == stop:
+                os.kill(os.getpid(), signal.SIGTERM)  # arrives while this step is in progress
+            return out
+
+        monkeypatch.setattr(train_mod, "train_step", step)
+        cfg = load_config(ROOT / "configs/tiny.yaml", overrides(tiny_data, run_dir, "train.max_steps=10",
+                                                                "train.log_every=4", "train.eval_every=5",
+                                                                "train.ckpt_every=100", "train.select_by=loss",
+                                                                "train.rouge_every=0"))
+        return train_mod.train(cfg)
+
+    run(tmp_path / "ref")
+    assert run(tmp_path / "cut", stop=stop_at)["steps"] == stop_at
+    assert run(tmp_path / "cut")["finished"]
+    for split in ("train", "valid"):
+        want = [(r["step"], r["loss"]) for r in records(tmp_path / "ref", split)]
+        assert [(r["step"], r["loss"]) for r in records(tmp_path / "cut", split)] == want, split
+    best = [torch.load(tmp_path / run / "best.pt", weights_only=False)["step"] for run in ("ref", "cut")]
+    assert best[0] == best[1]

@@ -136,7 +136,8 @@ def train(cfg: Config) -> dict:
     progress, rt = session.progress, session.rt
     loop = start_loop(session)
     try:
-        while progress["step"] < cfg.train.max_steps:
+        ended = pay(session, loop)  # what a stop left owed: this run's first log row and validation
+        while not ended and progress["step"] < cfg.train.max_steps:
             fetch_started = time.perf_counter()
             try:
                 loop.children.deliver()  # a worker's death noticed during the last step raises here
@@ -153,7 +154,8 @@ def train(cfg: Config) -> dict:
                 minutes = cfg.train.max_minutes
                 stop, time_up = loop.consensus(loop.stop.requested,
                                                bool(minutes) and progress["elapsed_s"] >= 60 * minutes)
-                if stop:  # the finished step's checkpoint first, and nothing else
+                if stop:  # the finished step's checkpoint first, and nothing else: what it owes waits (owe)
+                    owe(session, loop, out, log=True)
                     save_now(session)
                     session.monitor.write(f"stopping at step {progress['step']}: {loop.stop.name}; checkpoint "
                                           f"written")
@@ -174,7 +176,8 @@ def train(cfg: Config) -> dict:
         session.close()
     return {"steps": progress["step"], "best": progress["best"], "minutes": progress["elapsed_s"] / 60,
             "run_dir": str(cfg.run_dir), "signal": loop.stop.signum,
-            "finished": progress["step"] >= cfg.train.max_steps}
+            "finished": progress["step"] >= cfg.train.max_steps and "owed" not in progress,
+            "owes_validation": progress.get("owed", {}).get("validate", False)}
 
 
 def step_once(session: Session, fetched: list, data_s: float, loop: Loop) -> dict | None:
@@ -211,6 +214,54 @@ def step_once(session: Session, fetched: list, data_s: float, loop: Loop) -> dic
     if loop.profiler:
         loop.profiler.step()
     return out
+
+
+def owe(session: Session, loop: Loop, out: dict, log: bool) -> None:
+    """Keep in the progress a stop checkpoints what after_step has not done for the finished step: its log row
+    (`log`: a stop before after_step; the interval's sums so far go along, Window.state) and its validation,
+    with best.pt and patience. `pay` does them when the run resumes, so its logs, validations and best.pt are
+    those of a run never stopped."""
+    train_cfg, progress = session.cfg.train, session.progress
+    step = progress["step"]
+    final = step >= train_cfg.max_steps
+    rouge = bool(train_cfg.rouge_every) and (step % train_cfg.rouge_every == 0 or final)
+    owed = {"log": log and (step % train_cfg.log_every == 0 or final),
+            "validate": step % train_cfg.eval_every == 0 or final or rouge, "rouge": rouge,
+            "lr": session.scheduler.get_last_lr()[0], "grad_norm": float(out["grad_norm"]), "modules": out["modules"]}
+    if log:  # the stop branch, where every rank is (a collective); after a log row the window is empty anyway
+        progress["window"] = loop.window.state()
+    if owed["log"] or owed["validate"]:
+        progress["owed"] = owed
+
+
+def pay(session: Session, loop: Loop) -> bool:
+    """On resume, what a stop left owed (owe): the interval so far, the log row, then the validation and its
+    checkpoint. True when the run must not go on: that validation ran out of patience, or a stop came in it."""
+    progress = session.progress
+    if (window := progress.pop("window", None)) is not None:
+        loop.window.restore(window)
+    owed = progress.pop("owed", None)
+    if owed is None:
+        return False
+    step = progress["step"]
+    if owed["log"]:
+        session.monitor.log(step, "train", {**loop.window.summary(owed["lr"], torch.tensor(owed["grad_norm"])),
+                                            **owed["modules"]})
+        loop.window.reset()
+    if not owed["validate"]:
+        return False
+    try:
+        early_stop = validate(session, {"lr": owed["lr"], "grad_norm": owed["grad_norm"]}, owed["rouge"],
+                              loop.stop.interruptible)
+    except StopRequested:
+        progress["owed"] = {**owed, "log": False}
+        save_now(session)
+        return True
+    loop.window.reset()
+    save_now(session)
+    if early_stop:
+        session.monitor.write(f"stopping at step {step}: early stopping")
+    return early_stop
 
 
 def settle(session: Session, loop: Loop) -> None:
@@ -253,7 +304,9 @@ def after_step(session: Session, loop: Loop, out: dict, time_up: bool) -> bool:
             early_stop = validate(session, {"lr": lr, "grad_norm": out["grad_norm"].item()}, rouge,
                                   loop.stop.interruptible)
         except StopRequested:
-            session.monitor.write(f"step {step}: validation abandoned for the checkpoint ({loop.stop.name})")
+            session.monitor.write(f"step {step}: validation abandoned for the checkpoint ({loop.stop.name}); it runs "
+                                  f"when the run resumes")
+            owe(session, loop, out, log=False)
         except (RuntimeError, ConnectionError, EOFError) as exc:  # the validation loader's workers die too
             if not worker_died(exc, session.cfg.data.num_workers):
                 raise

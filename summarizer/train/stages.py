@@ -18,12 +18,13 @@ def is_finished(progress: dict, t: TrainConfig) -> bool:
 
 
 def training_finished(cfg: Config) -> int | None:
-    """The step a finished run stopped at, or None when it must (still) be trained."""
+    """The step a finished run stopped at, or None when it must (still) be trained, or owes what a stop left
+    undone (its last log row or validation: loop.owe)."""
     found = checkpoint.load_latest(cfg.run_dir)  # the newest readable one, as a resume reads it
     if found is None:
         return None
     progress = found[0]["progress"]
-    return progress["step"] if is_finished(progress, cfg.train) else None
+    return progress["step"] if is_finished(progress, cfg.train) and "owed" not in progress else None
 
 
 def resolve_start(before: Config | None, cfg: Config) -> None:

@@ -249,6 +249,24 @@ class Window:
         skipped = (~out["finite"]).float().to(self.device)
         self.sums += torch.cat([losses, skipped.reshape(1)])
 
+    def state(self) -> dict:
+        """The interval so far, its sums over the ranks (a collective: every rank calls it), for a checkpoint a
+        stop writes inside it: `restore` on resume makes the next log row the one a run never stopped writes."""
+        from summarizer.runtime import all_reduce_sum
+        counts = torch.tensor([float(self.tokens), float(self.flops), float(self.padded_flops)], device=self.device)
+        sums = all_reduce_sum(torch.cat([self.sums, counts]), self.rt).tolist()
+        return {"steps": self.steps, "sums": sums[:3], "counts": sums[3:], "data_s": self.data_s,
+                "seconds": self.clock() - self.started}
+
+    def restore(self, state: dict) -> None:
+        """Continue a checkpoint's interval (`state`): the first rank holds the sums, which `summary` adds over
+        the ranks, the others none; its seconds so far count, the time the run was stopped does not."""
+        main = self.rt.rank == 0
+        self.steps, self.data_s = state["steps"], state["data_s"]
+        self.sums = torch.tensor(state["sums"] if main else [0.0] * 3, device=self.device)
+        self.tokens, self.flops, self.padded_flops = (int(c) if main else 0 for c in state["counts"])
+        self.started = self.clock() - state["seconds"]
+
     def summary(self, lr: float, grad_norm: torch.Tensor) -> dict:
         from summarizer.runtime import all_reduce_sum
         counts = torch.tensor([float(self.tokens), float(self.flops), float(self.padded_flops)], device=self.device)
