@@ -249,6 +249,7 @@ def pay(session: Session, loop: Loop) -> bool:
                                             **owed["modules"]})
         loop.window.reset()
     if not owed["validate"]:
+        save_now(session)  # the step's checkpoint again, owing nothing: a crash now must not log the row twice
         return False
     try:
         early_stop = validate(session, {"lr": owed["lr"], "grad_norm": owed["grad_norm"]}, owed["rouge"],

@@ -303,6 +303,8 @@ def rollback(s: Session) -> int | None:
     elapsed = s.progress["elapsed_s"]
     s.progress.clear()
     s.progress.update(state["progress"], elapsed_s=elapsed)
+    for undone in ("owed", "window"):  # a stop's (loop.owe): a rollback trains from there again instead
+        s.progress.pop(undone, None)
     s.scheduler = build_scheduler(s.optimizer, s.cfg.train, s.progress["step"])
     s.stream.close()
     s.stream = batches_forever(s.train_loader, s.sampler, s.progress["epoch"], s.progress["position"], s.skip)
