@@ -66,6 +66,9 @@ def _mapping_files(source: dict, root: str) -> dict[str, list[FileSpec]]:
         if split not in PRODUCT_SPLITS:
             raise ConfigError(f"data.source maps unknown split '{split}': use {', '.join(PRODUCT_SPLITS)}")
         entries = [entries] if isinstance(entries, (str, dict)) else entries
+        if not isinstance(entries, list) or not entries:
+            raise ConfigError(f"data.source's split '{split}' lists {entries!r}: give a file, an entry "
+                              f"({{path: FILE, ...}}) or a non-empty list of them (leave a split out to have none)")
         specs = [parse_entry(e, split, root) for e in entries]
         for spec in specs:
             path = spec.path
@@ -109,10 +112,21 @@ def split_mapping(cfg: DataConfig, available: list[str]) -> dict[str, list[str]]
                           f"use {', '.join(PRODUCT_SPLITS)}")
     mapping = {}
     for product, names in cfg.splits.items():
+        if names is None or not isinstance(names, (str, list)):
+            raise ConfigError(f"data.splits.{product} is {names!r}: give a source split name or a list of them "
+                              f"([] for none)")
         names = [names] if isinstance(names, str) else list(names)
         present = [n for n in names if n in available]
         if present:
             mapping[product] = present
+    owners: dict[str, str] = {}
+    for product, names in mapping.items():
+        for name in names:
+            if name in owners:  # trained on and measured with, or scored on what it learned
+                raise ConfigError(f"data.splits maps source split '{name}' to both {owners[name]} and {product}: its "
+                                  f"pairs would be in both; map it to one, e.g. data.splits.train=[train] "
+                                  f"data.splits.{product}=[{name}] (the recipe's train takes [train, valid])")
+            owners[name] = product
     if "train" not in mapping:
         raise DataError(f"no train split in {cfg.source!r}: data.splits.train={cfg.splits.get('train')} but the "
                         f"source has {sorted(available)}; name a train file or map one, e.g. "

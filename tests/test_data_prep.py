@@ -103,6 +103,26 @@ def test_unknown_product_split_is_a_config_error(tmp_path):
         _load(tmp_path, f"data.source={ASSETS / 'rush'}", "data.splits={train: [train], dev: [valid]}")
 
 
+def test_a_source_split_mapped_to_two_product_splits_is_refused(tmp_path):
+    """The recipe's train takes [train, valid]: mapping valid as the valid split too would validate, and pick
+    best.pt, on training pairs."""
+    with pytest.raises(ConfigError, match="'valid' to both train and valid.*data.splits.train=\\[train\\]"):
+        _load(tmp_path, f"data.source={ASSETS / 'jsonl'}", "data.splits.train=[train, valid]",
+              "data.splits.valid=[valid]")
+    splits, _ = _load(tmp_path, f"data.source={ASSETS / 'jsonl'}", "data.splits.train=[train]",
+                      "data.splits.valid=[valid]")
+    assert set(splits) == {"train", "valid"}
+
+
+@pytest.mark.parametrize("value", ["null", "5"])
+def test_a_split_mapped_to_no_list_is_a_config_error(tmp_path, value):
+    with pytest.raises(ConfigError, match="data.splits.valid"):
+        _load(tmp_path, f"data.source={ASSETS / 'jsonl'}", f"data.splits.valid={value}")
+    train = ASSETS / "jsonl" / "train.jsonl"
+    with pytest.raises(ConfigError, match="split 'valid' lists"):  # a mix's split, likewise
+        _load(tmp_path, f"data.source={{train: [{train}], valid: {value if value != '5' else '[]'}}}")
+
+
 # --- cleaning --------------------------------------------------------------------------------
 
 def test_cleaning_counts_every_rule(tmp_path):

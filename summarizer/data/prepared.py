@@ -56,8 +56,9 @@ def valid_split(meta: dict, speed_only: bool = False) -> str:
     if speed_only:
         return "train"
     raise DataError(f"the prepared data has no valid split (prepared: {', '.join(meta['splits'])}), so validation "
-                    f"and the choice of best.pt would measure the training pairs. Map one (data.splits.valid=[NAME]) "
-                    f"or hold pairs out of train (data.valid_holdout=500), then run prep again")
+                    f"and the choice of best.pt would measure the training pairs. Map one (data.splits.valid=[NAME], and "
+                    f"data.splits.train without it) or hold pairs out of train (data.valid_holdout=500), then run "
+                    f"prep again")
 
 
 def read_meta(data_dir: str | Path) -> dict:
