@@ -24,6 +24,11 @@ def main(argv: list[str] | None = None) -> int:
         from summarizer.data.prepared import META_FILE
         cfg = load_config(args.config, args.overrides).data
         if args.if_missing and (Path(cfg.dir) / META_FILE).is_file():
+            from data_prep.pipeline import other_settings
+            if changed := other_settings(Path(cfg.dir), cfg):
+                print(f"note: {cfg.dir} was prepared with other data settings ({'; '.join(changed)}); it is used as "
+                      f"it is. To apply them, prepare into a new data.dir (or pass data.rebuild=true to replace "
+                      f"this one: runs trained on it could no longer resume)", file=sys.stderr)
             return 0
         if args.if_missing:
             source = (f"data.source={cfg.source!r}" if not isinstance(cfg.source, dict) else "the files data.source "

@@ -22,6 +22,10 @@ CACHE_DIR = ".hf_cache"  # datasets' cache inside data.dir: nothing is written t
 OUTPUT_KEYS = ("source", "source_field", "target_field", "references_field", "splits", "valid_holdout",
                "lowercase", "mask_digits", "word_tokenizer", "max_source_words", "max_target_words", "vocab_size",
                "spm_model_type", "spm_character_coverage", "spm_input_sentence_size")
+# Of those, the ones that shape the pairs and pieces rather than name where they come from: an existing dir
+# prepared with other values is used as it is by `--if-missing` (make train, make eval), which says so.
+SHAPING_KEYS = ("valid_holdout", "lowercase", "mask_digits", "word_tokenizer", "max_source_words", "max_target_words",
+                "vocab_size", "spm_model_type", "spm_character_coverage", "spm_input_sentence_size")
 # Below this many rows per process, starting worker processes costs more than it saves.
 MIN_ROWS_PER_PROC = 20_000
 
@@ -103,6 +107,17 @@ def source_tags(splits: dict, source_tag: str) -> list[str]:
     return tags
 
 
+def other_settings(data_dir: Path, cfg: DataConfig) -> list[str]:
+    """The SHAPING_KEYS a prepared dir was made with that differ from `cfg`'s ("key old -> new"); none for a dir
+    prepared before meta.json recorded them."""
+    try:
+        kept = json.loads((data_dir / META_FILE).read_text()).get("settings", {})
+    except (OSError, ValueError):
+        return []
+    return [f"data.{key} {kept[key]} -> {getattr(cfg, key)}" for key in SHAPING_KEYS
+            if key in kept and kept[key] != getattr(cfg, key)]
+
+
 def refuse_silent_rebuild(data_dir: Path, cfg: DataConfig) -> None:
     """A prepared dir whose inputs or settings changed is rebuilt only when asked (data.rebuild=true): the
     rebuild trains a new tokenizer, and runs trained on the old one could no longer be resumed or evaluated."""
@@ -165,6 +180,7 @@ def prepare(cfg: DataConfig) -> dict | None:
                           **({"source_tag": cfg.source_tag} if cfg.source_tag else {})},
         "source": cfg.source, "splits": stats, "raw_pairs": raw_pairs, "dropped": dropped,
         "held_out_as_valid": held, "inputs": inputs, "fingerprint": fp,
+        "settings": {key: getattr(cfg, key) for key in SHAPING_KEYS},
         **({"unpaired_tags": unpaired} if unpaired else {}),
         "seconds": round(time.perf_counter() - start, 2),
     }

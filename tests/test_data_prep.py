@@ -430,8 +430,13 @@ def test_if_missing_prepares_only_an_unprepared_dir(tmp_path, capsys):
     assert main(args) == 0
     assert "not prepared yet" in capsys.readouterr().out and (tmp_path / "meta.json").is_file()
     before = (tmp_path / "meta.json").read_text()
-    assert main([*args[:2], "data.source=/nowhere", "data.vocab_size=99"]) == 0
+    assert main([*args[:2], "data.source=/nowhere", "data.vocab_size=64", "data.valid_holdout=0"]) == 0
     assert capsys.readouterr().out == "" and (tmp_path / "meta.json").read_text() == before
+    # settings that shape the pairs, asked for and not applied: said, not silently ignored
+    assert main([*args, "data.max_source_words=3"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and (tmp_path / "meta.json").read_text() == before
+    assert "prepared with other data settings (data.max_source_words 120 -> 3); it is used as it is" in captured.err
 
 
 def test_source_tags_put_each_pairs_tag_piece_first_and_untagged_text_gets_the_asked_one(tmp_path):
