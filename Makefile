@@ -24,7 +24,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION) $(TORCH_PIP_ARGS)
 	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -c "import torch, sentencepiece, datasets, rouge_score, tensorboard; print('installed torch', torch.__version__)"
+	$(PY) -c "import torch, sentencepiece, datasets, rouge_score, tensorboard; v = torch.__version__.split('+')[0]; \
+	assert v == '$(TORCH_VERSION)', f'torch {v} in $(VENV), not $(TORCH_VERSION): remove $(VENV) and run make install'; \
+	print('installed torch', torch.__version__)"
 	touch $@
 
 # Lint (ruff.toml): pyflakes, pycodestyle, import order, bugbear, pyupgrade.

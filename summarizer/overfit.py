@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 from summarizer import runtime
@@ -40,6 +41,9 @@ def overfit_check(cfg: Config) -> int:
         cfg.data.train_limit = 64
     start_from_scratch(cfg.run_dir)
     summary = train(cfg)
+    if summary["signal"] is not None:  # a half-trained model proves nothing either way: no verdict
+        print(f"overfit check stopped by a signal at step {summary['steps']}: no verdict", file=sys.stderr)
+        return 128 + summary["signal"]
     rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
     model, _ = load_model(checkpoint.latest_path(cfg.run_dir), rt, read_meta(cfg.data.dir))
     pairs = PairDataset.from_dir(cfg.data.dir, "train", cfg.data, limit=cfg.data.train_limit)

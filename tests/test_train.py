@@ -472,6 +472,16 @@ def test_profile_after_moves_the_profiled_window(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_an_overfit_check_stopped_by_a_signal_gives_no_verdict(tiny_data, tmp_path, monkeypatch, capsys):
+    """A half-trained model would pass or fail for nothing: the check exits as stopped (128 + signal)."""
+    from summarizer import overfit
+    monkeypatch.setattr(overfit, "train", lambda cfg: {"signal": 15, "steps": 3})
+    monkeypatch.setattr(overfit, "load_model", lambda *a: pytest.fail("scored a stopped run"))
+    cfg = load_config(ROOT / "configs/overfit.yaml", [f"data.dir={tiny_data}", f"run.dir={tmp_path / 'run'}"])
+    assert overfit.overfit_check(cfg) == 143
+    assert "no verdict" in capsys.readouterr().err
+
+
 def test_overfit_check_memorises_the_fixture(tiny_data, tmp_path, capsys):
     from summarizer.overfit import overfit_check
     cfg = load_config(ROOT / "configs/overfit.yaml", [f"data.dir={tiny_data}", f"run.dir={tmp_path / 'of'}",

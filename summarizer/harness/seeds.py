@@ -82,8 +82,10 @@ def current_evaluation(cfg: Config) -> dict | None:
 
 def run_seed(stages: list[tuple[str, Config]]) -> dict:
     """Train (or resume, or skip when finished) one seed's runs, stage by stage, then evaluate the last unless
-    already done."""
-    train_stages(stages)
+    already done. A stop signal ends the seeds there (SeedStopped): an unfinished run is never scored."""
+    summary = train_stages(stages)
+    if summary is not None and summary["signal"] is not None:
+        raise SeedStopped(summary["signal"])
     cfg = stages[-1][1]
     report = current_evaluation(cfg)
     if report is None:
@@ -91,6 +93,14 @@ def run_seed(stages: list[tuple[str, Config]]) -> dict:
     else:
         print(f"{cfg.run.name}: rouge.json is up to date; not re-evaluated", file=sys.stderr)
     return report
+
+
+class SeedStopped(Exception):
+    """A seed's training was stopped by a signal: the same command resumes it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def summarize_seeds(name: str, runs: list[dict]) -> dict:
@@ -152,7 +162,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cli(args: argparse.Namespace) -> int:
-    summary, path = run_seeds(load_stages(args.config, args.overrides), args.n)
+    try:
+        summary, path = run_seeds(load_stages(args.config, args.overrides), args.n)
+    except SeedStopped as stop:
+        print("seeds stopped by a signal, before any summary was written; run the same command again to resume",
+              file=sys.stderr)
+        return 128 + stop.signum
     print(format_summary(summary))
     print(f"written to {path}", file=sys.stderr)
     return 0

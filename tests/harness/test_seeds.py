@@ -57,6 +57,16 @@ def test_each_seed_is_its_own_run_and_the_summary_is_their_mean_and_std(two_seed
         assert summary["std"][kind] == pytest.approx(column.std(ddof=1))
 
 
+def test_a_seed_stopped_by_a_signal_is_neither_scored_nor_summarised(two_seeds, monkeypatch, capsys):
+    tmp, args = two_seeds
+    before = (tmp / "seeds_tiny.json").read_text()
+    monkeypatch.setattr(seeds, "train_stages", lambda stages: {"signal": 2, "steps": 3})
+    monkeypatch.setattr(seeds, "evaluate", lambda cfg: pytest.fail("scored a stopped run"))
+    from summarizer.__main__ import main
+    assert main(["seeds", *args, "--n", "2"]) == 130
+    assert "stopped by a signal" in capsys.readouterr().err and (tmp / "seeds_tiny.json").read_text() == before
+
+
 def test_a_rerun_redoes_nothing_finished(two_seeds, monkeypatch):
     tmp, args = two_seeds
     before = json.loads((tmp / "seeds_tiny.json").read_text())
