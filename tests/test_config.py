@@ -39,6 +39,10 @@ def test_defaults_then_yaml_then_overrides(tmp_path):
     ("train.rouge_samples=0", "train.rouge_samples > 0"),
     ("model.dropout=1.0", "model.dropout must be < 1"),
     ("train.min_lr_ratio=1.5", "train.min_lr_ratio must be <= 1"),
+    ("train.dropout=0.2", "Did you mean 'model.dropout'"),  # the same name in another section first
+    ("lr=1e-3", "Did you mean 'train.lr'"),
+    ("eval.device=cpu", "Did you mean 'system.device'"),
+    ("data.spm_character_coverage=5", "data.spm_character_coverage must be <= 1"),
 ])
 def test_bad_values_name_the_key_and_fix(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -166,3 +170,13 @@ def test_eval_and_summarize_read_no_train_key():
     found = [f"{p.name}:{n.lineno}" for p in paths for n in ast.walk(ast.parse(p.read_text()))
              if isinstance(n, ast.Attribute) and n.attr == "train"]
     assert found == []
+
+
+@pytest.mark.parametrize("text, message", [("train: {on: 2}\n", "key True under 'train.' is not a name.*quote it"),
+                                           ("train:\n  ? [a]\n  : 1\n", "key at line 2 is a list")])
+def test_a_yaml_key_that_is_no_name_is_a_config_error(tmp_path, text, message):
+    """YAML 1.1 reads on/off/yes/no, null and numbers as values, and allows lists as keys: one line, no traceback."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, [])

@@ -64,6 +64,9 @@ def _merge(obj: Any, updates: dict, prefix: str = "") -> None:
     hints = typing.get_type_hints(type(obj))
     for name, value in updates.items():
         key = f"{prefix}{name}"
+        if not isinstance(name, str):  # YAML 1.1 reads on/off/yes/no/y/n, null and numbers as values
+            raise ConfigError(f"config key {name!r} under '{prefix or 'the top level'}' is not a name: YAML read it as "
+                              f"{type(name).__name__}; quote it if it is meant as one")
         if name not in hints:
             raise ConfigError(f"unknown config key '{key}'.{nearest(name, hints, prefix)}")
         current = getattr(obj, name)
@@ -116,6 +119,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                raise ConfigError(f"a mapping key at line {key_node.start_mark.line + 1} is a {type(key).__name__}: "
+                                  f"config keys are names")
             if key in seen:
                 raise ConfigError(f"key '{key}' is given twice in one mapping (line {key_node.start_mark.line + 1}): "
                                   f"keep one; YAML would silently use the last")

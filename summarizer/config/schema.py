@@ -90,7 +90,7 @@ class DataConfig:
     max_target_words: int = key(40, above=0)
     vocab_size: int = key(8000, above=0)
     spm_model_type: str = key("unigram", choices=("unigram", "bpe"))
-    spm_character_coverage: float = 1.0
+    spm_character_coverage: float = key(1.0, above=0.0, high=1.0)
     spm_input_sentence_size: int = key(2_000_000, above=0)
     num_proc: int = key(2, above=0, resume=True)  # processes for offline tokenization
     max_source_len: int = key(96, above=0)  # tokens; longer sources are truncated when batched
@@ -259,5 +259,16 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Config)  # section name -> its
 
 
 def nearest(name: str, options, prefix: str = "") -> str:
-    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.0)
-    return f" Did you mean '{prefix}{match[0]}'?" if match else ""
+    """" Did you mean '...'?" for an unknown key `prefix`+`name`: the same name in another section (`dropout` under
+    train: model.dropout), else a close name in this section, else a close dotted key anywhere; "" if none is close."""
+    name = str(name)
+    elsewhere = [f"{section}.{name}" for section, cls in SECTIONS.items()
+                 if name in typing.get_type_hints(cls) and f"{section}." != prefix]
+    if elsewhere:
+        return f" Did you mean '{elsewhere[0]}'?"
+    match = difflib.get_close_matches(name, [str(o) for o in options], n=1, cutoff=0.6)
+    if match:
+        return f" Did you mean '{prefix}{match[0]}'?"
+    dotted = [f"{section}.{field}" for section, cls in SECTIONS.items() for field in typing.get_type_hints(cls)]
+    match = difflib.get_close_matches(f"{prefix}{name}", dotted, n=1, cutoff=0.6)
+    return f" Did you mean '{match[0]}'?" if match else ""
