@@ -91,6 +91,9 @@ def parse_entry(entry, split: str, root: str = "") -> FileSpec:
                           + ("must be a train entry: valid and test pairs are scored against headlines"
                              if split != "train" else "needs a tag (`tag: NAME`): training tells its sentences apart "
                              "by it, and decoding must never be asked for their style"))
+    if str(entry["path"]).endswith(".article.txt") and (wanted or unpaired):
+        raise ConfigError(f"data.source.{split}: {entry['path']} is a Rush pair of plain text files: it has no fields "
+                          f"to filter and is pairs already; 'filter' and 'unpaired' are for .jsonl and .csv entries")
     return FileSpec(under(root, entry["path"]), tuple(sorted(wanted.items())), tuple(rules), tag, unpaired)
 
 
@@ -108,8 +111,14 @@ def apply_filter(ds: Dataset, spec: FileSpec) -> Dataset:
         if field not in ds.column_names:
             raise DataError(f"{spec.path} has no field '{field}' to filter on (it has {ds.column_names}): fix the "
                             f"'filter' of its data.source entry")
-        ds = ds.filter(lambda v, value=value: v == value, input_columns=field, keep_in_memory=True,
-                       desc=f"Filtering {spec.path.name}")
+        kept = ds.filter(lambda v, value=value: v == value, input_columns=field, keep_in_memory=True,
+                         desc=f"Filtering {spec.path.name}")
+        if len(ds) and not len(kept):  # a whole source gone, most often a value of another type ("true" for true)
+            seen = sorted({repr(v) for v in ds[field][:1000]})[:5]
+            raise DataError(f"the filter {field}={value!r} ({type(value).__name__}) of {spec.path} keeps none of its "
+                            f"{len(ds)} records; its values include {', '.join(seen)}: fix the 'filter' of its "
+                            f"data.source entry")
+        ds = kept
     return ds
 
 

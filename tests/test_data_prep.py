@@ -397,6 +397,16 @@ def test_a_filter_on_a_field_the_file_lacks_is_refused(tmp_path):
         prepare(cfg)
 
 
+def test_a_filter_that_keeps_nothing_is_refused_with_the_values_seen(tmp_path):
+    """A value of another type (the string "true" for the boolean true) would drop a whole source silently."""
+    from data_prep import prepare
+    prose = _write_jsonl(tmp_path / "prose.jsonl", [{"source": "a b c", "target": "a b", "prose": True}])
+    cfg = data_config(tmp_path / "out", "data.splits={train: [train]}")
+    cfg.source = {"train": [{"path": str(prose), "filter": {"prose": "true"}}]}
+    with pytest.raises(DataError, match="prose='true' .str. of .* keeps none of its 1 records; .* include True"):
+        prepare(cfg)
+
+
 def test_the_hub_path_reads_a_local_dataset_directory_without_a_network(tmp_path, monkeypatch):
     """`datasets.load_dataset` itself, on local files laid out as a hub repo (Gigaword's column names)."""
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # no hub reachable: a local path must not need one
@@ -569,7 +579,9 @@ def test_unpaired_sentences_become_pairs_with_themselves_tagged_and_never_held_o
 @pytest.mark.parametrize("split, entry, message", [
     ("train", {"path": "X", "unpaired": True}, "needs a tag"),
     ("valid", {"path": "X", "unpaired": True, "tag": "t"}, "must be a train entry"),
-    ("train", {"path": "X", "unpaired": "yes", "tag": "t"}, "must be true or false")])
+    ("train", {"path": "X", "unpaired": "yes", "tag": "t"}, "must be true or false"),
+    ("train", {"path": "x.article.txt", "unpaired": True, "tag": "t"}, "Rush pair"),  # plain text: pairs already
+    ("train", {"path": "x.article.txt", "filter": {"prose": True}}, "Rush pair")])
 def test_unpaired_entries_are_tagged_train_entries(split, entry, message):
     from data_prep.mix import parse_entry
     with pytest.raises(ConfigError, match=message):
