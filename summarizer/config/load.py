@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from summarizer.config.checks import validate
-from summarizer.config.schema import Config, nearest
+from summarizer.config.schema import Config, nearest_key
 from summarizer.errors import ConfigError
 from summarizer.outputs import atomic_write
 
@@ -68,7 +68,7 @@ def _merge(obj: Any, updates: dict, prefix: str = "") -> None:
             raise ConfigError(f"config key {name!r} under '{prefix or 'the top level'}' is not a name: YAML read it as "
                               f"{type(name).__name__}; quote it if it is meant as one")
         if name not in hints:
-            raise ConfigError(f"unknown config key '{key}'.{nearest(name, hints, prefix)}")
+            raise ConfigError(f"unknown config key '{key}'.{nearest_key(name, hints, prefix)}")
         current = getattr(obj, name)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):

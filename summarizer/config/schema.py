@@ -258,7 +258,13 @@ class Config:
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)  # section name -> its dataclass
 
 
-def nearest(name: str, options, prefix: str = "") -> str:
+def nearest(value: str, options) -> str:
+    """" Did you mean '...'?" for a value outside its `options` (a key's choices): the closest one."""
+    match = difflib.get_close_matches(value, list(options), n=1, cutoff=0.0)
+    return f" Did you mean '{match[0]}'?" if match else ""
+
+
+def nearest_key(name: str, options, prefix: str = "") -> str:
     """" Did you mean '...'?" for an unknown key `prefix`+`name`: the same name in another section (`dropout` under
     train: model.dropout), else a close name in this section, else a close dotted key anywhere; "" if none is close."""
     name = str(name)
