@@ -216,17 +216,22 @@ def step_once(session: Session, fetched: list, data_s: float, loop: Loop) -> dic
     return out
 
 
-def owe(session: Session, loop: Loop, out: dict, log: bool) -> None:
+def due(train_cfg: TrainConfig, step: int, final: bool) -> tuple[bool, bool, bool]:
+    """What after_step does at `step`: (log, validate, with ROUGE), each on its interval, and all at the run's end
+    (max_steps, or `final`: the time limit)."""
+    final = final or step >= train_cfg.max_steps
+    rouge = bool(train_cfg.rouge_every) and (step % train_cfg.rouge_every == 0 or final)
+    return step % train_cfg.log_every == 0 or final, step % train_cfg.eval_every == 0 or final or rouge, rouge
+
+
+def owe(session: Session, loop: Loop, out: dict, log: bool, final: bool = False) -> None:
     """Keep in the progress a stop checkpoints what after_step has not done for the finished step: its log row
     (`log`: a stop before after_step; the interval's sums so far go along, Window.state) and its validation,
     with best.pt and patience. `pay` does them when the run resumes, so its logs, validations and best.pt are
     those of a run never stopped."""
-    train_cfg, progress = session.cfg.train, session.progress
-    step = progress["step"]
-    final = step >= train_cfg.max_steps
-    rouge = bool(train_cfg.rouge_every) and (step % train_cfg.rouge_every == 0 or final)
-    owed = {"log": log and (step % train_cfg.log_every == 0 or final),
-            "validate": step % train_cfg.eval_every == 0 or final or rouge, "rouge": rouge,
+    progress = session.progress
+    logged, validated, rouge = due(session.cfg.train, progress["step"], final)
+    owed = {"log": log and logged, "validate": validated, "rouge": rouge,
             "lr": session.scheduler.get_last_lr()[0], "grad_norm": float(out["grad_norm"]), "modules": out["modules"]}
     if log:  # the stop branch, where every rank is (a collective); after a log row the window is empty anyway
         progress["window"] = loop.window.state()
@@ -294,20 +299,20 @@ def after_step(session: Session, loop: Loop, out: dict, time_up: bool) -> bool:
     train_cfg, step, window = session.cfg.train, session.progress["step"], loop.window
     check_run_dir(session)
     final = step >= train_cfg.max_steps or time_up
+    logged, validated, rouge = due(train_cfg, step, final)
     lr = session.scheduler.get_last_lr()[0]
-    if step % train_cfg.log_every == 0 or final:
+    if logged:
         session.monitor.log(step, "train", {**window.summary(lr, out["grad_norm"]), **out["modules"]})
         window.reset()
-    rouge = bool(train_cfg.rouge_every) and (step % train_cfg.rouge_every == 0 or final)
     early_stop = False
-    if step % train_cfg.eval_every == 0 or final or rouge:
+    if validated:
         try:
             early_stop = validate(session, {"lr": lr, "grad_norm": out["grad_norm"].item()}, rouge,
                                   loop.stop.interruptible)
         except StopRequested:
             session.monitor.write(f"step {step}: validation abandoned for the checkpoint ({loop.stop.name}); it runs "
                                   f"when the run resumes")
-            owe(session, loop, out, log=False)
+            owe(session, loop, out, log=False, final=final)
         except (RuntimeError, ConnectionError, EOFError) as exc:  # the validation loader's workers die too
             if not worker_died(exc, session.cfg.data.num_workers):
                 raise

@@ -249,12 +249,17 @@ class Window:
         skipped = (~out["finite"]).float().to(self.device)
         self.sums += torch.cat([losses, skipped.reshape(1)])
 
+    def _totals(self) -> list[float]:
+        """nll, loss, skipped steps, tokens, FLOPs, padded FLOPs of the interval, summed over the ranks: one
+        collective and one read of the device."""
+        from summarizer.runtime import all_reduce_sum
+        counts = torch.tensor([float(self.tokens), float(self.flops), float(self.padded_flops)], device=self.device)
+        return all_reduce_sum(torch.cat([self.sums, counts]), self.rt).tolist()
+
     def state(self) -> dict:
         """The interval so far, its sums over the ranks (a collective: every rank calls it), for a checkpoint a
         stop writes inside it: `restore` on resume makes the next log row the one a run never stopped writes."""
-        from summarizer.runtime import all_reduce_sum
-        counts = torch.tensor([float(self.tokens), float(self.flops), float(self.padded_flops)], device=self.device)
-        sums = all_reduce_sum(torch.cat([self.sums, counts]), self.rt).tolist()
+        sums = self._totals()
         return {"steps": self.steps, "sums": sums[:3], "counts": sums[3:], "data_s": self.data_s,
                 "seconds": self.clock() - self.started}
 
@@ -268,10 +273,7 @@ class Window:
         self.started = self.clock() - state["seconds"]
 
     def summary(self, lr: float, grad_norm: torch.Tensor) -> dict:
-        from summarizer.runtime import all_reduce_sum
-        counts = torch.tensor([float(self.tokens), float(self.flops), float(self.padded_flops)], device=self.device)
-        sums = all_reduce_sum(torch.cat([self.sums, counts]), self.rt)
-        nll, loss, skipped, tokens, flops, padded = sums.tolist()  # the interval's one read of the device
+        nll, loss, skipped, tokens, flops, padded = self._totals()
         seconds = self.clock() - self.started
         steps = max(self.steps, 1)
         summary = {"loss": nll / steps, "smoothed_loss": loss / steps, "lr": lr, "grad_norm": grad_norm.item(),
@@ -298,7 +300,6 @@ class Profiler:
         if gpus:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.steps, self.seen, self.table_path, self.gpus = steps, 0, table_path, gpus
-        self.cuda = bool(gpus)
         self.first, self.last = wait + 1, wait + 1 + steps  # steps seen when the window opens and closes
         self.prof = torch.profiler.profile(
             activities=activities, record_shapes=True, profile_memory=True,
@@ -324,7 +325,7 @@ class Profiler:
         if self.seen == self.last:
             self.prof.stop()
             averages = self.prof.key_averages()
-            sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+            sort = "self_cuda_time_total" if self.gpus else "self_cpu_time_total"
             self.table_path.write_text(averages.table(sort_by=sort, row_limit=40))
             atomic_write(self.table_path.with_suffix(".json"), json.dumps(per_step(averages, self.steps, wall)))
             self.done = True
