@@ -305,7 +305,7 @@ def test_batches_decoded_in_parallel_give_the_same_outputs_in_input_order(model)
     from summarizer.decode.search import decode_all
     torch.manual_seed(2)
     sources = [torch.randint(4, 40, (int(n),)).tolist() for n in torch.randint(2, 12, (23,))]
-    rt = runtime.setup(SystemConfig(), PlacementConfig(), "fp32")
+    rt = runtime.setup(SystemConfig(device="cpu"), PlacementConfig(), "fp32")
     threads = torch.get_num_threads()
     for beam in (1, 3):
         one = decode_all(model, sources, settings(beam_size=beam, batch_tokens=24, threads=1), rt)
@@ -333,7 +333,7 @@ def test_a_batch_out_of_gpu_memory_is_decoded_in_halves(model, monkeypatch, caps
     from summarizer.decode import search
     torch.manual_seed(3)
     sources = [torch.randint(4, 40, (int(n),)).tolist() for n in torch.randint(2, 12, (19,))]
-    rt = runtime.setup(SystemConfig(), PlacementConfig(), "fp32")
+    rt = runtime.setup(SystemConfig(device="cpu"), PlacementConfig(), "fp32")
     fitting = search.decode_all(model, sources, settings(beam_size=2, batch_tokens=8, threads=1), rt)
     real, sizes = search.decode_batch, []
 

@@ -111,6 +111,28 @@ def test_a_run_asking_for_graphs_where_none_can_be_says_so_and_trains(tiny_data,
     assert "train.cuda_graphs: off for this run (the model is not on one GPU)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_failed_capture_leaves_a_step_that_trains_as_the_eager_one(tiny_data, precision, capsys, monkeypatch):
+    """What a CPU can run of a capture that fails (the GPU test below makes one fail for real): the fallback resets
+    the loss scaler, which is disabled outside fp16, and the run's steps compute what the eager ones do."""
+    cfg = make_cfg(tiny_data, f"train.precision={precision}", "system.device=cpu", "model.dropout=0.0")
+    rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
+    batches = shaped_batches(tiny_data, cfg, rt.device)
+
+    def fails(self, *args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(StepGraphs, "_record", fails)
+    monkeypatch.setattr(StepGraphs, "warned", False)
+    eager, model_e, _, _ = train_on(cfg, rt, batches, graphed=False)
+    graphed, model_g, _, run = train_on(cfg, rt, batches, graphed=True)
+    assert "could not be captured as a CUDA graph (operation not permitted" in capsys.readouterr().err
+    assert not run.graphs and not run.capture
+    for a, b in zip(eager, graphed, strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("loss_sum", "nll_sum", "grad_norm", "finite"))
+    for a, b in zip(model_e.parameters(), model_g.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 @CUDA
 @pytest.mark.parametrize("precision,compiled", [("fp32", False), ("bf16", False), ("fp16", False), ("bf16", True)])
 def test_replayed_graphs_train_as_the_eager_step_does_on_a_gpu(tiny_data, precision, compiled):

@@ -60,7 +60,7 @@ def test_an_unknown_piece_is_written_as_the_source_characters_the_copy_head_took
     first, second = unknown[:2]
     pieces = tokenizer.pieces(source.lower())
     hyp = list(src)  # a summary that copies the whole source; position t of [BOS] + hyp writes hyp[t]
-    rt = runtime.setup(SystemConfig(), PlacementConfig(), "fp32")
+    rt = runtime.setup(SystemConfig(device="cpu"), PlacementConfig(), "fp32")
     looks = list(range(len(hyp)))
     copied = copied_unknowns(Pointing(looks), [src], [hyp], rt)
     assert copied == [{s: s for s in unknown}]

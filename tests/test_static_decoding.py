@@ -71,7 +71,7 @@ def test_auto_shapes_are_static_for_greedy_on_a_gpu_and_dynamic_otherwise():
 def test_decode_all_with_static_shapes_returns_the_same_outputs(model):
     torch.manual_seed(2)
     sources = [torch.randint(4, 40, (int(n),)).tolist() for n in torch.randint(2, 12, (23,))]
-    rt = runtime.setup(SystemConfig(), PlacementConfig(), "fp32")
+    rt = runtime.setup(SystemConfig(device="cpu"), PlacementConfig(), "fp32")  # the model's device on a GPU machine too
     for beam in (1, 3):
         s = settings(beam_size=beam, batch_tokens=60)
         assert decode_all(model, sources, dataclasses.replace(s, shapes="static"), rt) == \
@@ -177,7 +177,7 @@ def test_decoding_threads_on_a_gpu_capture_one_at_a_time_and_decode_what_one_thr
 
     def spy(self):
         out = original(self)
-        captured.append((id(self), self.graph is not None))
+        captured.append((self, self.graph is not None))  # the step itself: a freed one's id() can come again
         return out
 
     with pytest.MonkeyPatch.context() as mp:

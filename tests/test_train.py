@@ -577,7 +577,7 @@ def test_a_nan_gradient_is_traced_to_its_module_in_backward():
     model.encoder_layers[0].register_forward_hook(poison)
     src, tgt = torch.randint(4, 30, (2, 6)), torch.randint(4, 30, (2, 5))
     batch = {"src_ids": src, "tgt_in": tgt[:, :-1], "tgt_out": tgt[:, 1:]}
-    rt = runtime.setup(SystemConfig(), PlacementConfig(), "fp32")
+    rt = runtime.setup(SystemConfig(device="cpu"), PlacementConfig(), "fp32")
     where = first_nonfinite(model, [batch], rt, Config().train)
     assert where == "encoder_layers.0 (backward: the gradient of its output)"
     assert all(p.grad is None for p in model.parameters())  # nothing left behind for the optimizer

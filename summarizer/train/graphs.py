@@ -131,7 +131,8 @@ class StepGraphs:
         self.graphs.clear()
         for p in model.parameters():
             p.grad = None
-        scaler._per_optimizer_states.clear()  # a capture that failed after unscale_ left it "unscaled"
+        if scaler.is_enabled():  # a disabled scaler (fp32, bf16) keeps no per-optimizer state
+            scaler._per_optimizer_states.clear()  # a capture that failed after unscale_ left it "unscaled"
         if not StepGraphs.warned:
             StepGraphs.warned = True
             print(f"warning: the training step could not be captured as a CUDA graph ({exc}); training goes on "
