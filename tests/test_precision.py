@@ -149,20 +149,23 @@ def test_a_precision_set_by_hand_is_never_probed(tiny_data, tmp_path, monkeypatc
 
 
 def test_a_probe_result_is_reused_only_for_its_own_kind_of_gpu_and_model(monkeypatch):
+    """An eager run's probe (train.cuda_graphs=false: the step launched from Python)."""
     monkeypatch.setattr(precision, "device_name", lambda rt: "GPU A")
-    rt, auto = Runtime(GPU, GPU, "bf16"), TrainConfig(precision="auto")
+    rt, auto = Runtime(GPU, GPU, "bf16"), TrainConfig(cuda_graphs=False, precision="auto")
     progress = {"precision_probe": {"precision": "fp32", "device": "GPU A", "compile": None, "ms": {}}}
     assert precision.recorded(progress, auto, rt) == "fp32"
-    assert precision.recorded(progress, TrainConfig(precision="bf16"), rt) is None  # set by hand: the setting wins
+    by_hand = TrainConfig(cuda_graphs=False, precision="bf16")
+    assert precision.recorded(progress, by_hand, rt) is None  # set by hand: the setting wins
     assert precision.recorded({}, auto, rt) is None  # a run from before the probe: probed now
     assert precision.recorded({**progress, "precision_probe": {**progress["precision_probe"], "device": "GPU B"}},
                               auto, rt) is None
     assert precision.recorded(progress, auto, Runtime(CPU, CPU, "bf16")) is None  # resumed on a CPU: the rule
     # an eager probe holds for an eager run only, a compiled one for its own mode; one without the key was eager
     compiled = {"precision_probe": {**progress["precision_probe"], "compile": "default"}}
-    assert precision.recorded(progress, TrainConfig(compile=True), rt) is None
-    assert precision.recorded(compiled, TrainConfig(compile=True), rt) == "fp32"
-    assert precision.recorded(compiled, TrainConfig(compile=True, compile_mode="reduce-overhead"), rt) is None
+    assert precision.recorded(progress, TrainConfig(cuda_graphs=False, compile=True), rt) is None
+    assert precision.recorded(compiled, TrainConfig(cuda_graphs=False, compile=True), rt) == "fp32"
+    own_graphs = TrainConfig(cuda_graphs=False, compile=True, compile_mode="reduce-overhead")
+    assert precision.recorded(compiled, own_graphs, rt) is None
     assert precision.recorded(compiled, auto, rt) is None
     older = {"precision_probe": {k: v for k, v in progress["precision_probe"].items() if k != "compile"}}
     assert precision.recorded(older, auto, rt) == "fp32"
@@ -237,7 +240,7 @@ def test_a_step_that_replays_as_a_cuda_graph_takes_16_bit_by_rule_and_keeps_it_o
     The rule's record is kept like a probe's, and holds only while the step is still captured."""
     gpu_graphs = TrainConfig(precision="auto", cuda_graphs=True)
     assert precision.captured(gpu_graphs, Runtime(GPU, GPU, "bf16"))
-    assert not precision.captured(TrainConfig(precision="auto"), Runtime(GPU, GPU, "bf16"))
+    assert not precision.captured(TrainConfig(precision="auto", cuda_graphs=False), Runtime(GPU, GPU, "bf16"))
     assert not precision.captured(TrainConfig(cuda_graphs=True, fused_optimizer=False), Runtime(GPU, GPU, "bf16"))
     assert not precision.captured(TrainConfig(cuda_graphs=True, accum_steps=2), Runtime(GPU, GPU, "bf16"))
     assert not precision.captured(gpu_graphs, Runtime(CPU, CPU, "bf16"))

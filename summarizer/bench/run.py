@@ -98,7 +98,8 @@ def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
                                  ("data", "num_workers", 0), ("train", "precision", "fp32"),
                                  ("train", "set_to_none", False), ("train", "fused_loss", False),
                                  ("system", "sdpa_backend", "default"), ("model", "fast_dropout", False),
-                                 ("train", "fused_optimizer", False), fixed_batches=True, item_every_step=True))),
+                                 ("train", "fused_optimizer", False), ("train", "cuda_graphs", False),
+                                 fixed_batches=True, item_every_step=True))),
     }
     if weights(cfg).is_file():
         table["summarize"] = ("summarize, raw text in, summaries out: default settings vs "

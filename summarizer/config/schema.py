@@ -162,8 +162,8 @@ class TrainConfig:
     compile_mode: str = key("default", choices=("default", "reduce-overhead", "max-autotune",
                                                 "max-autotune-no-cudagraphs"), resume=True)
     # capture each batch shape's whole step (forward to AdamW) as a CUDA graph and replay it: one launch a step
-    # instead of one per kernel (one GPU, one process; summarizer/train/graphs.py)
-    cuda_graphs: bool = key(False, resume=True)
+    # instead of one per kernel (one GPU, one process; summarizer/train/graphs.py); elsewhere the step runs eagerly
+    cuda_graphs: bool = key(True, resume=True)
     log_every: int = key(50, above=0, resume=True)  # host syncs (.item()) happen only here
     module_stats: bool = key(True, resume=True)  # per-module gradient/update/weight norms, activation RMS
     eval_every: int = key(500, above=0, resume=True)

@@ -146,6 +146,8 @@ def step_function(step: Callable[..., dict], model: nn.Module, optimizer, rt: Ru
     if not cfg.cuda_graphs:
         return step, ""
     why = unsupported(rt, cfg, getattr(optimizer, "_step_supports_amp_scaling", False))
+    if why and "cuda" not in (rt.device.type, rt.decoder_device.type):  # a CPU run: nothing to say, as pin_memory
+        return step, ""
     if why:
         return step, f"train.cuda_graphs: off for this run ({why})"
     return StepGraphs(step, optimizer, rt.device), ("train.cuda_graphs: each batch shape's whole step is captured "
