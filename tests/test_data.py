@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 import torch
 
 from summarizer.data.batches import (
@@ -89,6 +90,22 @@ def test_bucketing_reduces_padding():
     random_order = token_budget_batches(np.random.default_rng(0).permutation(len(ds)), ds.src_lens, ds.tgt_lens, 600)
     padding = padding_fraction(bucketed, ds.src_lens, ds.tgt_lens)
     assert padding < 0.5 * padding_fraction(random_order, ds.src_lens, ds.tgt_lens)
+
+
+@pytest.mark.parametrize("pad_multiple", [1, 8])
+def test_batches_are_cut_greedily_at_the_token_budget(pad_multiple):
+    """Each batch takes pairs in order while its padded size, rows x (longest source + longest target), fits."""
+    rng = np.random.default_rng(pad_multiple)
+    src, tgt, order = rng.integers(1, 90, 3000), rng.integers(2, 30, 3000), rng.permutation(3000)
+    batches = token_budget_batches(order, src, tgt, 700, pad_multiple)
+    assert [i for b in batches for i in b] == order.tolist()
+    padded = lambda lens: -(-lens // pad_multiple) * pad_multiple  # noqa: E731
+    for batch, following in zip(batches, [*[b[0] for b in batches[1:]], None], strict=True):
+        fits = len(batch) * (padded(src[batch]).max() + padded(tgt[batch]).max()) <= 700
+        assert fits or len(batch) == 1  # a pair over the budget alone is a batch of its own
+        if following is not None:  # the next pair would not have fitted
+            more = [*batch, following]
+            assert len(more) * (padded(src[more]).max() + padded(tgt[more]).max()) > 700
 
 
 def test_getitems_matches_getitem():

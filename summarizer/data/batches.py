@@ -198,13 +198,15 @@ def token_budget_batches(order: np.ndarray, src_lens: np.ndarray, tgt_lens: np.n
     if pad_multiple > 1:
         src_lens, tgt_lens = round_up(src_lens, pad_multiple), round_up(tgt_lens, pad_multiple)
     batches, current, s_max, t_max = [], [], 0, 0
-    for i in order.tolist():
-        s, t = max(s_max, src_lens[i]), max(t_max, tgt_lens[i])
-        if current and (len(current) + 1) * (s + t) > batch_tokens:
+    # Python ints and comparisons in the loop, which the training process runs as each epoch begins: numpy
+    # scalars and max() took 3.5 s for Gigaword's 3.8M pairs (docs/results.md)
+    for i, s, t in zip(order.tolist(), src_lens[order].tolist(), tgt_lens[order].tolist()):
+        s_new, t_new = s if s > s_max else s_max, t if t > t_max else t_max
+        if current and (len(current) + 1) * (s_new + t_new) > batch_tokens:
             batches.append(current)
-            current, s, t = [], src_lens[i], tgt_lens[i]
+            current, s_new, t_new = [], s, t
         current.append(i)
-        s_max, t_max = s, t
+        s_max, t_max = s_new, t_new
     if current:
         batches.append(current)
     return batches
