@@ -490,6 +490,31 @@ def test_overfit_check_memorises_the_fixture(tiny_data, tmp_path, capsys):
     assert "PASSED" in capsys.readouterr().out
 
 
+def test_a_run_resumed_with_other_rouge_settings_scores_its_best_again_with_them(tiny_data, tmp_path, capsys):
+    """best.pt's validation ROUGE, measured with eval.max_len=30, is not what later validations with 4 measure:
+    resumed so, the run decodes best.pt again with the new settings before it compares."""
+    rouge = ["train.eval_every=10", "train.rouge_every=10", "train.rouge_samples=8", "train.select_by=rouge",
+             "train.ckpt_every=10", "eval.min_len=2"]
+    run, short = tmp_path / "run", ["eval.max_len=4"]
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=10", "eval.max_len=30", *rouge))
+    capsys.readouterr()
+    summary = train_mod.train(make_cfg(tiny_data, run, "train.max_steps=20", *short, *rouge))
+    err = capsys.readouterr().err
+    said = re.search(r"best.pt \(ROUGE-1 ([\d.]+)\) was scored with other settings \(eval.max_len 30 -> 4\): ([\d.]+) "
+                     r"with these", err)
+    assert said, err
+    # the same weights scored with max_len 4 from the start: a run that trained its first 10 steps so
+    alike = tmp_path / "alike"
+    train_mod.train(make_cfg(tiny_data, alike, "train.max_steps=10", *short, *rouge))
+    at_10 = [json.loads(line) for line in (alike / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["split"] == "valid"][0]["rouge1"]
+    assert float(said.group(2)) == pytest.approx(at_10, abs=1e-4) and float(said.group(1)) != float(said.group(2))
+    at_20 = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["split"] == "valid" and json.loads(line)["step"] == 20][-1]["rouge1"]
+    assert summary["best"]["value"] == pytest.approx(max(at_10, at_20), abs=1e-4)
+    assert summary["best"]["settings"]["eval.max_len"] == 4
+
+
 def test_rouge_during_training_selects_the_best_checkpoint(tiny_data, tmp_path):
     run = tmp_path / "run"
     summary = train_mod.train(make_cfg(tiny_data, run, "train.max_steps=20", "train.eval_every=5",

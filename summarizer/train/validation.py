@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import time
 
 import torch
@@ -20,6 +21,7 @@ from summarizer.decode.search import decode_all
 from summarizer.evaluation.scoring import ROUGE_TYPES, quality, rouge_report, words
 from summarizer.model import checkpoint
 from summarizer.runtime import Runtime, move_batch
+from summarizer.runtime.placement import place_model
 from summarizer.train.losses import smoothed_nll
 from summarizer.train.session import Session
 from summarizer.train.watch.module_stats import activation_rms
@@ -44,19 +46,33 @@ def evaluate_loss(model: nn.Module, loader, rt: Runtime, activations: bool = Fal
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(totals[1]), **rms}
 
 
+# What validation ROUGE depends on besides the weights (keys a resumed run may change): a best value holds
+# against another only where both were measured under the same
+ROUGE_SETTINGS = ("train.rouge_samples", "eval.max_len", "eval.min_len", "eval.no_repeat_ngram",
+                  "eval.known_words", "eval.no_repeat_words", "eval.truncate_bytes")
+
+
+def rouge_settings(cfg: Config) -> dict:
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in ROUGE_SETTINGS}
+
+
 def validate(s: Session, extra: dict, rouge: bool, abandonable=contextlib.nullcontext) -> bool:
     """Validation loss, ROUGE on a fixed valid subset when due, samples, and best-checkpoint
     bookkeeping by `train.select_by`; True when patience runs out. The measuring runs inside `abandonable`
     (a stop signal may abandon it there), the bookkeeping after it never is."""
+    settings, rescored = rouge_settings(s.cfg), None
     with abandonable():
         started = time.perf_counter()
         metrics = evaluate_loss(s.eval_model, s.valid_loader, s.rt, s.cfg.train.module_stats)
         metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
         if rouge:
             # Every rank decodes the same subset deterministically, so all agree on the best without talking.
-            metrics.update(valid_rouge(s))
+            metrics.update(valid_rouge(s, s.eval_model))
+            rescored = rescore_best(s, settings)
         samples = sample_summaries(s.eval_model, s.valid_ds, s.tokenizer, s.rt, s.cfg) \
             if s.rt.is_main and s.cfg.train.sample_summaries else None
+    if rescored is not None:
+        s.progress["best"] = rescored
     s.monitor.log(s.progress["step"], "valid", {**metrics, **extra})
     if samples is not None:
         s.monitor.text("samples", samples, s.progress["step"])
@@ -64,7 +80,8 @@ def validate(s: Session, extra: dict, rouge: bool, abandonable=contextlib.nullco
     if metric not in metrics:
         return False  # the best is judged only where ROUGE was measured
     if improves(metric, metrics[metric], s.progress["best"]):
-        s.progress.update(best={"metric": metric, "value": metrics[metric]}, bad_evals=0)
+        s.progress.update(best={"metric": metric, "value": metrics[metric],
+                                **({"settings": settings} if metric == "rouge1" else {})}, bad_evals=0)
         if s.rt.is_main:
             checkpoint.save(s.best_snapshot(), s.cfg.run_dir / checkpoint.BEST)
     else:
@@ -79,13 +96,33 @@ def improves(metric: str, value: float, best: dict | None) -> bool:
     return value < best["value"] if metric == "loss" else value > best["value"]
 
 
-def valid_rouge(s: Session) -> dict:
-    """Greedy ROUGE-1/2/L F and the quality rates (non-words, repeats, length) on the first
+def rescore_best(s: Session, settings: dict) -> dict | None:
+    """The best so far as these `settings` score it, where its ROUGE was measured under others (a run resumed with
+    some of ROUGE_SETTINGS changed): best.pt's weights decoded again, said on stderr. None where nothing changed
+    (or the best predates the record of its settings, or is a loss)."""
+    best = s.progress["best"]
+    if not best or best["metric"] != "rouge1" or best.get("settings", settings) == settings:
+        return None
+    path = s.cfg.run_dir / checkpoint.BEST
+    if path.is_file():
+        value = valid_rouge(s, place_model(checkpoint.restore_model(checkpoint.load(path)), s.rt).eval())["rouge1"]
+    else:  # removed by hand: nothing to compare with
+        value = float("-inf")
+    changed = ", ".join(f"{key} {best['settings'][key]!r} -> {now!r}" for key, now in settings.items()
+                        if best["settings"].get(key) != now)
+    if s.rt.is_main:
+        print(f"best.pt (ROUGE-1 {best['value']:.4f}) was scored with other settings ({changed}): "
+              f"{value:.4f} with these, which later validations are compared with", file=sys.stderr, flush=True)
+    return {**best, "value": value, "settings": settings}
+
+
+def valid_rouge(s: Session, model: nn.Module) -> dict:
+    """Greedy ROUGE-1/2/L F and the quality rates (non-words, repeats, length) of `model` on the first
     `train.rouge_samples` valid pairs: fast, and comparable across steps."""
     if s.rouge_pairs is None:
         s.rouge_pairs = read_pairs(s.cfg.data.dir, valid_split(s.meta))[:s.cfg.train.rouge_samples]
     pairs = s.rouge_pairs
-    hyps = decode_all(s.eval_model, [s.valid_ds[i][0] for i in range(len(pairs))],
+    hyps = decode_all(model, [s.valid_ds[i][0] for i in range(len(pairs))],
                       dataclasses.replace(s.cfg.eval, beam_size=1), s.rt, lexicon=lexicon(s.cfg.data.dir))
     predictions = [s.tokenizer.decode(h) for h in hyps]
     references = [p.get("references") or [p["target"]] for p in pairs]
