@@ -13,6 +13,10 @@ from summarizer.data.tokenizer import BOS, EOS, MASK_PIECE, PAD, TAG_PIECE, UNK,
 from summarizer.errors import DataError
 
 SPM_SEED = 20240521  # SentencePiece samples and shuffles sentences; a fixed seed makes prep reproducible
+# Its unigram training sums statistics per thread, so the pieces depend on the thread count (1, 2, 8 and 16 threads:
+# four vocabularies of the Gigaword sample): a fixed count, data.num_proc's default, keeps the vocabulary a function
+# of the data and the config's tokenizer keys alone, on any machine
+SPM_THREADS = 2
 
 
 def _sentences(train: Dataset) -> Iterator[str]:
@@ -29,7 +33,7 @@ def _train(train: Dataset, cfg: DataConfig, hard_vocab_limit: bool, tags: list[s
         model_type=cfg.spm_model_type, vocab_size=cfg.vocab_size, hard_vocab_limit=hard_vocab_limit,
         character_coverage=cfg.spm_character_coverage,
         input_sentence_size=cfg.spm_input_sentence_size, shuffle_input_sentence=True,
-        num_threads=max(1, cfg.num_proc),
+        num_threads=SPM_THREADS,
         pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
         pad_piece="<pad>", bos_piece="<s>", eos_piece="</s>",
         # SentencePiece's own unknown piece gets another surface so that Gigaword's `<unk>` word

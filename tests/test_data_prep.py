@@ -211,6 +211,14 @@ def test_spm_training_is_reproducible(tiny_prepared, tmp_path):
     assert meta["spm_sha256"] == read_meta(tiny_prepared)["spm_sha256"]
 
 
+def test_the_vocabulary_does_not_depend_on_the_processes_prep_uses(tmp_path):
+    """SentencePiece's unigram training sums its statistics per thread: its pieces change with the thread count
+    (four counts, four vocabularies on the Gigaword sample), so it runs on a fixed count, not data.num_proc."""
+    shas = {n: prepare(data_config(tmp_path / str(n), f"data.source={ASSETS / 'tiny'}", "data.vocab_size=150",
+                                   f"data.num_proc={n}"))["spm_sha256"] for n in (1, 3)}
+    assert shas[1] == shas[3]
+
+
 def test_small_data_falls_back_to_the_vocab_it_supports(tmp_path):
     meta = prepare(data_config(tmp_path, f"data.source={ASSETS / 'rush'}", "data.vocab_size=5000"))
     assert meta["requested_vocab_size"] == 5000 and 8 < meta["vocab_size"] < 5000

@@ -92,7 +92,7 @@ class DataConfig:
     spm_model_type: str = key("unigram", choices=("unigram", "bpe"))
     spm_character_coverage: float = key(1.0, above=0.0, high=1.0)
     spm_input_sentence_size: int = key(2_000_000, above=0)
-    num_proc: int = key(2, above=0, resume=True)  # processes for offline tokenization
+    num_proc: int = key(2, above=0, resume=True)  # processes for prep's cleaning and tokenizing (not its vocabulary)
     max_source_len: int = key(96, above=0)  # tokens; longer sources are truncated when batched
     max_target_len: int = key(40, above=0)
     subword_alpha: float = key(0.0, low=0)  # >0: sampled segmentations (subword regularisation), smoothing
