@@ -515,6 +515,22 @@ def test_a_run_resumed_with_other_rouge_settings_scores_its_best_again_with_them
     assert summary["best"]["settings"]["eval.max_len"] == 4
 
 
+def test_a_run_records_the_keys_only_prep_reads_as_its_data_was_prepared(tiny_data, tmp_path, capsys):
+    """data.max_source_words and the SentencePiece keys change nothing once the data is prepared: the run's
+    config says what its data was made with, and the run says where the command line said otherwise."""
+    from summarizer.data.prepared import read_meta
+    made = read_meta(tiny_data)["settings"]
+    run = tmp_path / "run"
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=2", "train.eval_every=2", "train.rouge_every=0",
+                             "train.select_by=loss", f"data.max_source_words={made['max_source_words'] + 7}",
+                             "data.spm_model_type=bpe"))
+    err = capsys.readouterr().err
+    assert f"data.max_source_words {made['max_source_words'] + 7} -> {made['max_source_words']}" in err
+    assert f"data.spm_model_type 'bpe' -> {made['spm_model_type']!r}" in err
+    recorded = load_config(run / "config.yaml").data
+    assert (recorded.max_source_words, recorded.spm_model_type) == (made["max_source_words"], made["spm_model_type"])
+
+
 def test_rouge_during_training_selects_the_best_checkpoint(tiny_data, tmp_path):
     run = tmp_path / "run"
     summary = train_mod.train(make_cfg(tiny_data, run, "train.max_steps=20", "train.eval_every=5",

@@ -86,12 +86,12 @@ class DataConfig:
     # a tag name: each pair's source tag (data.source entries' `tag`) is one piece before its source; text with
     # no tag (untagged splits, eval.pairs, `summarize` input) gets this one; "" = no tag pieces
     source_tag: str = ""
-    max_source_words: int = key(120, above=0)  # cleaning: longer pairs are dropped and counted
-    max_target_words: int = key(40, above=0)
+    max_source_words: int = key(120, above=0, resume=True)  # cleaning: longer pairs are dropped and counted
+    max_target_words: int = key(40, above=0, resume=True)
     vocab_size: int = key(8000, above=0)
-    spm_model_type: str = key("unigram", choices=("unigram", "bpe"))
-    spm_character_coverage: float = key(1.0, above=0.0, high=1.0)
-    spm_input_sentence_size: int = key(2_000_000, above=0)
+    spm_model_type: str = key("unigram", choices=("unigram", "bpe"), resume=True)
+    spm_character_coverage: float = key(1.0, above=0.0, high=1.0, resume=True)
+    spm_input_sentence_size: int = key(2_000_000, above=0, resume=True)
     num_proc: int = key(2, above=0, resume=True)  # processes for prep's cleaning and tokenizing (not its vocabulary)
     max_source_len: int = key(96, above=0)  # tokens; longer sources are truncated when batched
     max_target_len: int = key(40, above=0)

@@ -48,6 +48,24 @@ def check_data_settings(cfg: DataConfig, meta: dict) -> None:
                           f"prepared: drop the override, or prepare a new data.dir with it")
 
 
+# Keys only prep reads (what it kept, how it trained the vocabulary): a run takes them from the data it reads
+PREP_ONLY = ("valid_holdout", "max_source_words", "max_target_words", "spm_model_type", "spm_character_coverage",
+             "spm_input_sentence_size")
+
+
+def adopt_prep_settings(cfg: DataConfig, meta: dict) -> list[str]:
+    """The PREP_ONLY keys set in `cfg` as the prepared dir was made with them (meta.json "settings"), so a run's
+    config records the data it read; returns "data.KEY config -> prepared" for each that differed. Nothing
+    for a dir prepared before meta.json kept its settings."""
+    made = meta.get("settings", {})
+    changed = [f"data.{key} {getattr(cfg, key)!r} -> {made[key]!r}" for key in PREP_ONLY
+               if key in made and getattr(cfg, key) != made[key]]
+    for key in PREP_ONLY:
+        if key in made:
+            setattr(cfg, key, made[key])
+    return changed
+
+
 def valid_split(meta: dict, speed_only: bool = False) -> str:
     """The split validation reads: `valid`. Without one, training would validate on, and pick best.pt by, its
     own training pairs while calling them valid: refused, unless the caller only measures speed (the bench)."""

@@ -18,7 +18,14 @@ from summarizer.config.resume import check_resume
 from summarizer.config.schema import Config
 from summarizer.data.batches import PairDataset, TokenBatchSampler, make_loader, stop_workers
 from summarizer.data.noise import SpanMasker, word_starts
-from summarizer.data.prepared import check_data_settings, open_tokenizer, read_meta, source_weights, valid_split
+from summarizer.data.prepared import (
+    adopt_prep_settings,
+    check_data_settings,
+    open_tokenizer,
+    read_meta,
+    source_weights,
+    valid_split,
+)
 from summarizer.data.subwords import SegmentationSampler
 from summarizer.data.tokenizer import Tokenizer
 from summarizer.errors import ConfigError
@@ -223,6 +230,10 @@ def open_session(cfg: Config) -> Session:
     meta = read_meta(cfg.data.dir)
     tokenizer = open_tokenizer(cfg.data.dir, meta)
     check_data_settings(cfg.data, meta)
+    adopted = adopt_prep_settings(cfg.data, meta)
+    if adopted and rt.is_main:
+        print(f"recorded as the prepared data in {cfg.data.dir} was made (keys only prep reads): {', '.join(adopted)}",
+              file=sys.stderr)
     # train.init_from of a new run is checked before its run dir is claimed: a wrong path leaves nothing behind
     init = initial_weights(cfg, meta) if checkpoint.latest_path(cfg.run_dir) is None else None
     lock = None
