@@ -258,7 +258,7 @@ def test_a_checkpoint_only_one_rank_may_write_does_not_gather_the_ranks_streams(
         cfg=types.SimpleNamespace(train=train), progress={"step": 10, "elapsed_s": 0.0},
         rt=types.SimpleNamespace(distributed=False), scheduler=types.SimpleNamespace(get_last_lr=lambda: [1e-3]),
         monitor=types.SimpleNamespace(write=lambda message: None))
-    loop = types.SimpleNamespace(stop=stop, window=window)
+    loop = types.SimpleNamespace(stop=stop, window=window, unread=None)  # no step left to settle
     assert loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0), "modules": {}}, time_up=False) is True
     assert saved == [False] and session.progress["owed"]["validate"]  # done when the run resumes
     session.progress["step"], stop.signum = 20, None  # the checkpoint interval, with the same signal

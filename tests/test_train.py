@@ -187,6 +187,28 @@ def test_repeated_non_finite_steps_abort_with_advice(tiny_data, tmp_path, monkey
         train_mod.train(make_cfg(tiny_data, tmp_path / "run", "train.max_steps=20", "train.max_bad_steps=3"))
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
+def test_non_finite_steps_in_a_row_are_counted_across_a_resume(tiny_data, tmp_path, monkeypatch):
+    """Steps 3 on have a NaN loss and 4 in a row abort: at step 6, whether or not the run stopped at step 4 (its
+    checkpoint keeps the count, the last step's included) and resumed."""
+    real, calls = train_mod.smoothed_nll, []
+
+    def nan_from_step_3(out, *args, **kwargs):
+        loss = real(out, *args, **kwargs)
+        if out.logits.requires_grad:  # a training step, not the first-NaN search's forward nor validation
+            calls.append(1)
+        return tuple(x * float("nan") for x in loss) if len(calls) >= 3 and out.logits.requires_grad else loss
+    monkeypatch.setattr(train_mod, "smoothed_nll", nan_from_step_3)
+    steps = ["train.max_bad_steps=4", "train.ckpt_every=4", "train.eval_every=100", "train.rouge_every=0",
+             "train.select_by=loss"]
+    with pytest.raises(train_mod.TrainingAborted, match=r"4 optimizer steps in a row .*\(step 6;"):
+        train_mod.train(make_cfg(tiny_data, tmp_path / "whole", "train.max_steps=10", *steps))
+    calls.clear()
+    train_mod.train(make_cfg(tiny_data, tmp_path / "resumed", "train.max_steps=4", *steps))
+    with pytest.raises(train_mod.TrainingAborted, match=r"4 optimizer steps in a row .*\(step 6;"):
+        train_mod.train(make_cfg(tiny_data, tmp_path / "resumed", "train.max_steps=10", *steps))
+
+
 def test_checkpoint_and_validation_time_stay_out_of_the_throughput_window(tiny_data, tmp_path, monkeypatch):
     # A fake clock, so the test depends on what the window counts, never on how fast or idle the machine is:
     # each step takes 0.1 s of it, each checkpoint write and each validation 100 s.

@@ -102,7 +102,6 @@ class Loop:
     profiler: Profiler | None
     started: float  # perf_counter() at the run's step 0, resumed time included
     module_stats: ModuleStats | None = None  # train.module_stats: read on logged steps
-    bad_in_row: int = 0
     compiling: bool = False  # train.compile: this process's first step compiles the model, and says how long it took
     unread: Unread | None = None
     consensus: Consensus | None = None  # the ranks' agreement to stop (a signal, the time limit)
@@ -156,7 +155,7 @@ def train(cfg: Config) -> dict:
                                                bool(minutes) and progress["elapsed_s"] >= 60 * minutes)
                 if stop:  # the finished step's checkpoint first, and nothing else: what it owes waits (owe)
                     owe(session, loop, out, log=True)
-                    save_now(session)
+                    save_settled(session, loop)
                     session.monitor.write(f"stopping at step {progress['step']}: {loop.stop.name}; checkpoint "
                                           f"written")
                     break
@@ -205,7 +204,7 @@ def step_once(session: Session, fetched: list, data_s: float, loop: Loop) -> dic
     loop.unread = Unread(runtime.LateRead(out["finite"]), progress["step"], epoch, position, micro)
     if train_cfg.spike_factor and bool(out["finite"]) and roll_back_spike(session, fetched, out):
         loop.window.reset()
-        loop.bad_in_row, loop.unread = 0, None
+        session.progress["bad_in_row"], loop.unread = 0, None  # the progress the rollback loaded
         return None
     flops = [batch_flops(session.cfg.model, session.meta["vocab_size"], batch) for batch, _, _ in fetched]
     loop.window.add(out, micro, data_s, (sum(f[0] for f in flops), sum(f[1] for f in flops)))
@@ -270,6 +269,13 @@ def pay(session: Session, loop: Loop) -> bool:
     return early_stop
 
 
+def save_settled(session: Session, loop: Loop, every_rank: bool = True) -> None:
+    """The step's checkpoint (guard.save_now), its finiteness read first (settle), so the count of non-finite steps
+    in a row that the checkpoint keeps includes it, as a run that goes on counts it at its next step."""
+    settle(session, loop)
+    save_now(session, every_rank)
+
+
 def settle(session: Session, loop: Loop) -> None:
     """Act on the unread step's finiteness: a skipped step is named, with its batch and its first NaN/inf, and
     `max_bad_steps` of them in a row abort the run. fp16's scale search skips steps on overflow by design: not a
@@ -280,15 +286,15 @@ def settle(session: Session, loop: Loop) -> None:
     train_cfg = session.cfg.train
     finite = bool(unread.finite.get())
     overflow = not finite and session.scaler.is_enabled() and session.scaler.get_scale() >= 1.0
-    loop.bad_in_row = 0 if finite or overflow else loop.bad_in_row + 1
-    if not loop.bad_in_row:
+    bad = session.progress["bad_in_row"] = 0 if finite or overflow else session.progress.get("bad_in_row", 0) + 1
+    if not bad:
         return
     where = first_nonfinite(session.model, unread.micro_batches, session.rt, train_cfg)
     session.monitor.write(f"step {unread.step}: non-finite loss or gradients, step skipped (batch {unread.position} "
                           f"of epoch {unread.epoch} in the data order); the first NaN/inf: {where}")
-    if loop.bad_in_row >= train_cfg.max_bad_steps:
+    if bad >= train_cfg.max_bad_steps:
         raise TrainingAborted(
-            f"{loop.bad_in_row} optimizer steps in a row had non-finite loss or gradients (step {unread.step}; the "
+            f"{bad} optimizer steps in a row had non-finite loss or gradients (step {unread.step}; the "
             f"first NaN/inf: {where}); lower train.lr (now {train_cfg.lr}), raise train.warmup_steps, keep "
             f"train.clip_norm > 0, or use train.precision=fp32 to rule out overflow")
 
@@ -321,7 +327,7 @@ def after_step(session: Session, loop: Loop, out: dict, time_up: bool) -> bool:
         window.reset()  # evaluation is not training throughput
     scheduled = step % train_cfg.ckpt_every == 0 or final or early_stop  # the same on every rank
     if scheduled or loop.stop.requested:  # a signal that came during this step's validation: this rank's own
-        save_now(session, every_rank=scheduled)
+        save_settled(session, loop, every_rank=scheduled)
         window.reset()  # nor is checkpoint writing
     if time_up or early_stop or loop.stop.requested:
         reason = loop.stop.name or ("time limit" if time_up else "early stopping")

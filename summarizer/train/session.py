@@ -247,7 +247,7 @@ def open_session(cfg: Config) -> Session:
     model, optimizer, scaler = build(cfg, rt, meta, state, init)
     ema = build_ema(model, cfg.train.ema_decay, state, cfg.train.max_steps)
     progress = {"step": 0, "epoch": 0, "position": 0, "elapsed_s": 0.0, "best": None, "bad_evals": 0,
-                "world_size": rt.world_size}
+                "bad_in_row": 0, "world_size": rt.world_size}
     if state is not None:
         restore_rng(state, rt)
         progress = state["progress"]
