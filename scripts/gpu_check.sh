@@ -12,8 +12,8 @@
 # Environment: PYTHON, OUT (default gpu_check_out, must not hold an earlier check), GPU_CHECK_STEPS (300),
 # GPU_CHECK_CONFIG (configs/base.yaml; configs/tiny.yaml on a CPU), GPU_CHECK_SECONDS (450: parts are
 # skipped once it is spent), GPU_CHECK_PARTS ("1 2 3 4 5 6": the parts to run; 3 and 6 decode part 1's fp32 run),
-# GPU_CHECK_PRECISIONS ("fp32 bf16 fp16 auto bf16_captured": part 1's runs; <precision>_captured: with
-# train.cuda_graphs=true),
+# GPU_CHECK_PRECISIONS ("fp32 bf16 fp16 auto auto_captured": part 1's runs; <precision>_captured: with
+# train.cuda_graphs=true, the others with false; auto_captured is the default config),
 # GPU_CHECK_GW_RUNS ("bf16 fp32 bf16_compile bf16_graphs bf16_captured bf16_compile_captured": part 5's runs; also
 # fp32_compile, fp32_graphs, fp32_captured, and any of them with _b<tokens>, another data.batch_tokens),
 # GPU_CHECK_GW_MINUTES (0.6 per eager run), GPU_CHECK_GW_STEPS (600 per compiled run), GPU_CHECK_GW_PAIRS (100000),
@@ -84,10 +84,11 @@ step() {  # step PART LABEL SECONDS COMMAND...: run it under a timeout cut to wh
 
 TRAIN=("$PY" -m summarizer train "${COMMON[@]}")
 
-# 1. The recipe from a cold start in each precision, each in its own process; auto: what it chose (on a GPU, by a
-# probe timing fp32 against bf16 on the run's first batches) and whether it trains as fast as the faster of the two;
-# <precision>_captured: each batch shape's whole step captured as a CUDA graph and replayed (train.cuda_graphs).
-for p in ${GPU_CHECK_PRECISIONS:-fp32 bf16 fp16 auto bf16_captured}; do
+# 1. The recipe from a cold start in each precision, each in its own process, its steps launched from Python; auto:
+# what it chose (by a probe timing fp32 against bf16 on the run's first batches) and whether it trains as fast as
+# the faster of the two; <precision>_captured: each batch shape's whole step captured as a CUDA graph and replayed
+# (train.cuda_graphs); auto_captured: the default config (16 bit by rule).
+for p in ${GPU_CHECK_PRECISIONS:-fp32 bf16 fp16 auto auto_captured}; do
   step 1 "train $p" 120 "${TRAIN[@]}" "run.name=gc_$p" "run.dir=$OUT/train/$p" "train.precision=${p%_captured}" \
     "train.cuda_graphs=$([ "$p" != "${p%_captured}" ] && echo true || echo false)" $(schedule "$STEPS" "$LOG")
 done
