@@ -77,7 +77,8 @@ def hold_out(train: Dataset, n: int, unpaired_tags: tuple = (), only_tag: str = 
     that tag only.
 
     Pairs sharing a source share its hash, so the whole group at the boundary goes to valid:
-    valid may hold slightly more than n pairs but never shares a source with train.
+    valid may hold slightly more than n pairs but never shares a source with train. A held-out source's pairs
+    of another tag, or unpaired, leave train too (neither split keeps them).
     """
     hashes = np.asarray(train.with_format("numpy", columns=["source_hash"])[:]["source_hash"])
     order = np.lexsort((np.arange(len(hashes)), hashes))
@@ -93,5 +94,6 @@ def hold_out(train: Dataset, n: int, unpaired_tags: tuple = (), only_tag: str = 
                           f"cleaning): lower it, or map a valid split in data.splits")
     held = np.zeros(len(hashes), dtype=bool)
     held[order[:cut]] = True
-    return (train.select(np.flatnonzero(~held)).flatten_indices(keep_in_memory=True),
+    kept = ~np.isin(hashes, hashes[held])  # the held-out sources' pairs under every tag
+    return (train.select(np.flatnonzero(kept)).flatten_indices(keep_in_memory=True),
             train.select(np.flatnonzero(held)).flatten_indices(keep_in_memory=True))

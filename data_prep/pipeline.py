@@ -83,9 +83,12 @@ def _load_and_clean(cfg: DataConfig, data_dir: Path) -> tuple[dict, dict, dict, 
     if cfg.valid_holdout > 0 and "valid" in cleaned:
         print("note: data.valid_holdout is ignored because a valid split is mapped", flush=True)
     elif cfg.valid_holdout > 0:
+        before = len(cleaned["train"])
         cleaned["train"], cleaned["valid"] = hold_out(cleaned["train"], cfg.valid_holdout,
                                                       tuple(unpaired_tags(inputs)), cfg.source_tag)
         held = len(cleaned["valid"])
+        if copies := before - held - len(cleaned["train"]):  # a held-out source under another tag, or unpaired
+            dropped["train"]["held-out source"] = copies
     for split in [s for s, ds in cleaned.items() if len(ds) == 0]:
         print(f"note: every {split} pair was dropped ({dropped[split]}); no {split} split is written", flush=True)
         del cleaned[split]

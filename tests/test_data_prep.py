@@ -160,6 +160,20 @@ def test_valid_holdout_is_deterministic_and_order_independent(tmp_path):
     assert kept == [s for s in cleaned["source"] if s in set(kept)]  # train keeps its order
 
 
+@pytest.mark.parametrize("kind", ["another tag", "unpaired"])
+def test_a_held_out_source_leaves_train_under_every_tag(kind):
+    """Held-out pairs are drawn from one tag (data.source_tag) and never from unpaired sentences; a held-out
+    source's copies under another tag, or unpaired, leave train too, or valid would score what train taught."""
+    rows = [{"source": f"sentence {i}", "target": f"headline {i}", "source_hash": 1000 + i, "tag": "news"}
+            for i in range(20)]
+    other = "extra" if kind == "another tag" else "text"
+    rows += [{**row, "target": f"other {i}", "tag": other} for i, row in enumerate(rows)]
+    train, valid = hold_out(datasets.Dataset.from_list(rows), 5, ("text",) if kind == "unpaired" else (), "news")
+    assert sorted(valid["source"]) == [f"sentence {i}" for i in range(5)] and set(valid["tag"]) == {"news"}
+    assert not set(valid["source"]) & set(train["source"])
+    assert len(train) == 30  # 15 news pairs and their 15 copies
+
+
 def test_valid_holdout_in_prepare(tmp_path):
     meta = prepare(data_config(tmp_path, f"data.source={ASSETS / 'tiny'}",
                                "data.splits={train: [train], test: [test]}", "data.valid_holdout=30"))
