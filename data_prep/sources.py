@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import urllib.parse
@@ -37,10 +38,17 @@ def _split_name(path: Path) -> tuple[str, str] | None:
 def _scan_directory(root: Path) -> dict[str, list[FileSpec]]:
     """Source split name -> its files (one data file, or a Rush article/title pair)."""
     found: dict[str, dict[str, Path]] = {}
+    unread = []
     for path in sorted(root.iterdir()):
         named = _split_name(path) if path.is_file() else None
         if named:
             found.setdefault(named[0], {})[named[1]] = path
+        elif path.is_file() and re.search(r"\.(jsonl?|csv|tsv|parquet)(\.\w+)?$|\.(article|title)\.txt\.\w+$",
+                                           path.name):
+            unread.append(path.name)  # data by its name, in no format read here: a split the user may miss
+    if unread:
+        print(f"note: {root}: {', '.join(unread)} not read (split files are NAME.jsonl, NAME.jsonl.gz, NAME.csv, "
+              f"or NAME.article.txt + NAME.title.txt)", flush=True)
     splits = {}
     for name, by_suffix in found.items():
         rush = {s: by_suffix.pop(s) for s in (".article.txt", ".title.txt") if s in by_suffix}

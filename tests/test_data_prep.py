@@ -11,7 +11,7 @@ from conftest import ASSETS, data_config
 from data_prep import prepare
 from data_prep.__main__ import main
 from data_prep.clean import RULES, clean_split, hold_out
-from data_prep.sources import load_splits
+from data_prep.sources import load_splits, local_files
 from data_prep.tokenize import atomic_open
 from summarizer.config.load import load_config
 from summarizer.data.prepared import load_split, read_meta, read_pairs, split_files
@@ -172,6 +172,16 @@ def test_a_held_out_source_leaves_train_under_every_tag(kind):
     assert sorted(valid["source"]) == [f"sentence {i}" for i in range(5)] and set(valid["tag"]) == {"news"}
     assert not set(valid["source"]) & set(train["source"])
     assert len(train) == 30  # 15 news pairs and their 15 copies
+
+
+def test_a_source_dir_names_the_data_files_it_does_not_read(tmp_path, capsys):
+    (tmp_path / "train.jsonl").write_text('{"source": "a b", "target": "a"}\n')
+    for name in ("test.json", "valid.jsonl.bz2", "dev.csv.gz", "README.md", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    assert list(local_files(str(tmp_path))) == ["train"]
+    out = capsys.readouterr().out
+    assert "dev.csv.gz, test.json, valid.jsonl.bz2 not read (split files are NAME.jsonl" in out
+    assert "README" not in out and "notes" not in out
 
 
 def test_valid_holdout_in_prepare(tmp_path):
