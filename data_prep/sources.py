@@ -161,12 +161,16 @@ _DECODE = {"json": {"encoding": "utf-8-sig", "encoding_errors": "replace"},
            "text": {"encoding": "utf-8-sig", "encoding_errors": "replace"}}
 
 
-def _load_builder(builder: str, path: Path, cache_dir: Path) -> Dataset:
+def _load_builder(builder: str, path: Path, cache_dir: Path, fresh: bool) -> Dataset:
+    """One local file through a datasets builder; `fresh` (data.rebuild) reads it again rather than from the
+    cache, which datasets keys by the file's path and modification time, not its contents."""
     if path.stat().st_size == 0:
         raise DataError(f"{path} is empty: remove it or fill it with pairs")
     try:
-        ds = datasets.load_dataset(builder, data_files={"data": str(path)}, split="data",
-                                   cache_dir=str(cache_dir), **_DECODE[builder])
+        # read again; without its checks, which compare the new read with the cache's record of the old one
+        again = {"download_mode": "force_redownload", "verification_mode": "no_checks"} if fresh else {}
+        ds = datasets.load_dataset(builder, data_files={"data": str(path)}, split="data", cache_dir=str(cache_dir),
+                                   **again, **_DECODE[builder])
     except Exception as exc:  # datasets wraps parser errors and does not say which line
         bad = _first_bad_json_line(path) if builder == "json" else None
         if bad:
@@ -230,11 +234,11 @@ def _rush_title(article: Path) -> Path:
     return article.with_name(article.name[: -len(".article.txt")] + ".title.txt")
 
 
-def _load_rush(article: Path, cache_dir: Path) -> Dataset:
+def _load_rush(article: Path, cache_dir: Path, fresh: bool) -> Dataset:
     title = _rush_title(article)
     if not title.is_file():
         raise DataError(f"{article} has no partner file {title}: Rush-style splits need both files")
-    texts = [_load_builder("text", p, cache_dir) for p in (article, title)]
+    texts = [_load_builder("text", p, cache_dir, fresh) for p in (article, title)]
     if len(texts[0]) != len(texts[1]):
         raise DataError(f"{article} has {len(texts[0])} lines but {title} has {len(texts[1])}: line i of "
                         f"one must pair with line i of the other; fix the files (nothing was truncated)")
@@ -251,11 +255,11 @@ def load_file(spec: FileSpec, cfg: DataConfig, cache_dir: Path) -> tuple[Dataset
     if not path.is_file():
         raise DataError(f"{path} does not exist: fix data.source")
     if path.name.endswith(".article.txt"):
-        ds = _load_rush(path, cache_dir)
+        ds = _load_rush(path, cache_dir, cfg.rebuild)
         rows = kept = len(ds)
     else:
         builder = "csv" if path.name.endswith(".csv") else "json"
-        raw = _load_builder(builder, path, cache_dir)
+        raw = _load_builder(builder, path, cache_dir, cfg.rebuild)
         filtered = apply_filter(raw, spec)
         rows, kept = len(raw), len(filtered)
         ds = (_standardize_unpaired if spec.unpaired else _standardize)(filtered, cfg, str(path))

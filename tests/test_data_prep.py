@@ -184,6 +184,24 @@ def test_a_source_dir_names_the_data_files_it_does_not_read(tmp_path, capsys):
     assert "README" not in out and "notes" not in out
 
 
+def test_a_rebuild_reads_its_inputs_again_though_their_modification_time_is_the_same(tmp_path):
+    """datasets keys its cache of a local file by path and modification time: a file rewritten with its time kept
+    (cp -p, rsync -t, an archive) would come back from the cache as it was. data.rebuild reads the files."""
+    import os
+    source = tmp_path / "src"
+    source.mkdir()
+    train = source / "train.jsonl"
+    train.write_text("".join(f'{{"source": "old words number {i} here", "target": "old {i}"}}\n' for i in range(40)))
+    stamp = train.stat().st_mtime_ns
+    cfg = [f"data.source={source}", "data.splits={train: [train]}", "data.vocab_size=40"]
+    prepare(data_config(tmp_path / "out", *cfg))
+    train.write_text("".join(f'{{"source": "new words number {i} here", "target": "new {i}"}}\n' for i in range(41)))
+    os.utime(train, ns=(stamp, stamp))
+    prepare(data_config(tmp_path / "out", *cfg, "data.rebuild=true"))
+    pairs = read_pairs(tmp_path / "out", "train")
+    assert len(pairs) == 41 and all(p["target"].startswith("new") for p in pairs)
+
+
 def test_valid_holdout_in_prepare(tmp_path):
     meta = prepare(data_config(tmp_path, f"data.source={ASSETS / 'tiny'}",
                                "data.splits={train: [train], test: [test]}", "data.valid_holdout=30"))
