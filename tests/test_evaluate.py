@@ -164,7 +164,7 @@ def test_quantize_int8_returns_a_copy_and_leaves_its_argument_untouched():
     import torch
 
     from summarizer.config.schema import ModelConfig
-    from summarizer.decode.quantize import quantize_int8
+    from summarizer.decode.quantize import Int8Linear, quantize_int8
     from summarizer.model.transformer import Seq2Seq
     model = Seq2Seq(ModelConfig(d_model=16, n_heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=32), 40).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -172,8 +172,49 @@ def test_quantize_int8_returns_a_copy_and_leaves_its_argument_untouched():
     assert quantized is not model and model.vocab_projection is None and model.training
     assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
-    assert any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in quantized.modules())
-    assert not any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in model.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
+    assert any(isinstance(m, Int8Linear) for m in quantized.modules())
+    assert not any(isinstance(m, Int8Linear) for m in model.modules())
+
+
+def test_int8_layers_compute_what_torchs_dynamic_quantization_does():
+    """The same int8 numbers as torch.ao.quantization.quantize_dynamic (deprecated for torchao; the product does not
+    use it) where this torch still has it: bitwise, on a model's outputs, and the same greedy and beam searches."""
+    import copy
+    import warnings
+
+    import torch
+
+    from summarizer.config.schema import ModelConfig
+    from summarizer.decode.quantize import quantize_int8
+    from summarizer.decode.search import beam_search, greedy
+    from summarizer.model.transformer import Seq2Seq
+    from tests.decoding_models import settings
+    ao = getattr(getattr(torch, "ao", None), "quantization", None)
+    if ao is None or not hasattr(ao, "quantize_dynamic"):
+        pytest.skip("this torch has no torch.ao.quantization to compare with")
+    torch.manual_seed(0)
+    model = Seq2Seq(ModelConfig(d_model=32, n_heads=4, encoder_layers=2, decoder_layers=2, ffn_dim=64), 50).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # weights far from the initialisation's, of every magnitude
+            p.mul_(torch.empty_like(p).uniform_(0.2, 4.0))
+    ours = quantize_int8(model, torch.device("cpu"))
+    theirs = copy.deepcopy(model)
+    vocab, d_model = theirs.embedding.weight.shape
+    theirs.vocab_projection = torch.nn.Linear(d_model, vocab, bias=False)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs.vocab_projection.weight.copy_(theirs.embedding.weight)
+        theirs = ao.quantize_dynamic(theirs, {torch.nn.Linear}, dtype=torch.qint8)
+    src, tgt = torch.randint(4, 50, (6, 11)), torch.randint(4, 50, (6, 7))
+    with torch.inference_mode():
+        a, b = ours(src, tgt), theirs(src, tgt)
+        assert torch.equal(a.logits, b.logits) and not torch.equal(a.logits, model(src, tgt).logits)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True) if torch.is_tensor(x))
+        s = settings(max_len=10)
+        assert greedy(ours, src, s) == greedy(theirs, src, s)
+        assert beam_search(ours, src, settings(max_len=10, beam_size=3)) == \
+            beam_search(theirs, src, settings(max_len=10, beam_size=3))
 
 
 @pytest.mark.parametrize("failing", ["predictions.readable.txt", "predictions.txt", "rouge.json"])

@@ -2,8 +2,9 @@
 (eval.quantize=int8), or linear layers stored in 16 bit where decoding computes in 16 bit.
 
 Every linear layer, and the output projection onto the vocabulary (tied to the embedding, so given
-its own int8 copy here), computes with int8 weights and activations quantized on the fly
-(torch.ao.quantization.quantize_dynamic, fbgemm/oneDNN kernels); embeddings, norms, attention
+its own int8 copy here), computes with int8 weights and activations quantized on the fly (`Int8Linear`:
+torch's quantized linear kernels, fbgemm on x86, called directly; what torch.ao.quantization.quantize_dynamic
+makes, without that API, which torch deprecates for the separate torchao package); embeddings, norms, attention
 scores and the copy mixture stay in float32. Weights shrink 4x and the matmuls run faster; the
 cost in ROUGE is measured by `make bench` and on both dev sets with three seeds (docs/results.md):
 within the seeds' noise, so `auto` (the default) decodes in int8 wherever the CPU would decode in fp32.
@@ -15,7 +16,6 @@ sentences decoded beside it (eval.batch_tokens, eval.threads, the lines `summari
 from __future__ import annotations
 
 import copy
-import warnings
 
 import torch
 from torch import nn
@@ -85,9 +85,34 @@ def quantize_int8(model: Seq2Seq, device: torch.device) -> nn.Module:
     model.vocab_projection = nn.Linear(d_model, vocab, bias=False)
     with torch.no_grad():
         model.vocab_projection.weight.copy_(model.embedding.weight)
-    with warnings.catch_warnings():
-        # torch marks its eager quantization API for migration to the separate torchao package; it is
-        # still torch's own, needs nothing installed, and is what this mode is built on.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear:
+                setattr(parent, name, Int8Linear(child))
+    return model
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with int8 weights, quantized once, per tensor and symmetric around zero (a scale of the
+    largest magnitude / 127.5), and int8 activations quantized at each call by their range, in 7 bits
+    (reduce_range: fbgemm's int8 products accumulate in 16 bits, which 8-bit activations could overflow). The
+    numbers are those of torch.ao.quantization.quantize_dynamic(qint8): its MinMaxObserver's arithmetic, in
+    float32, and the same kernel (tests/test_evaluate.py compares them)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        low, high = torch.aminmax(weight)
+        zero = torch.zeros((), dtype=torch.float32)
+        bound = torch.max(-torch.min(low, zero), torch.max(high, zero))
+        scale = torch.max(bound / (float(127 - (-128)) / 2), torch.tensor(torch.finfo(torch.float32).eps))
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        self.packed = torch.ops.quantized.linear_prepack(
+            torch.quantize_per_tensor(weight, float(scale), 0, torch.qint8), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range=True).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
