@@ -553,6 +553,18 @@ def test_a_run_records_the_keys_only_prep_reads_as_its_data_was_prepared(tiny_da
     assert (recorded.max_source_words, recorded.spm_model_type) == (made["max_source_words"], made["spm_model_type"])
 
 
+def test_a_run_resumed_in_another_precision_scores_its_best_again_in_it(tiny_data, tmp_path, capsys):
+    """Validation decodes in the run's precision, which may change on resume: best.pt is decoded again in it."""
+    rouge = ["train.eval_every=10", "train.rouge_every=10", "train.rouge_samples=8", "train.select_by=rouge",
+             "train.ckpt_every=10"]
+    run = tmp_path / "run"
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=10", "train.precision=fp32", *rouge))
+    capsys.readouterr()
+    summary = train_mod.train(make_cfg(tiny_data, run, "train.max_steps=20", "train.precision=bf16", *rouge))
+    assert "was scored with other settings (precision 'fp32' -> 'bf16')" in capsys.readouterr().err
+    assert summary["best"]["settings"]["precision"] == "bf16"
+
+
 def test_rouge_during_training_selects_the_best_checkpoint(tiny_data, tmp_path):
     run = tmp_path / "run"
     summary = train_mod.train(make_cfg(tiny_data, run, "train.max_steps=20", "train.eval_every=5",

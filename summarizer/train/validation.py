@@ -46,21 +46,22 @@ def evaluate_loss(model: nn.Module, loader, rt: Runtime, activations: bool = Fal
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(totals[1]), **rms}
 
 
-# What validation ROUGE depends on besides the weights (keys a resumed run may change): a best value holds
-# against another only where both were measured under the same
+# What validation ROUGE depends on besides the weights (keys a resumed run may change), and the precision it
+# decodes in (the run's, resolved): a best value holds against another only where both were measured under the same
 ROUGE_SETTINGS = ("train.rouge_samples", "eval.max_len", "eval.min_len", "eval.no_repeat_ngram",
                   "eval.known_words", "eval.no_repeat_words", "eval.truncate_bytes")
 
 
-def rouge_settings(cfg: Config) -> dict:
-    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in ROUGE_SETTINGS}
+def rouge_settings(s: Session) -> dict:
+    return {**{key: getattr(getattr(s.cfg, key.split(".")[0]), key.split(".")[1]) for key in ROUGE_SETTINGS},
+            "precision": s.rt.precision}
 
 
 def validate(s: Session, extra: dict, rouge: bool, abandonable=contextlib.nullcontext) -> bool:
     """Validation loss, ROUGE on a fixed valid subset when due, samples, and best-checkpoint
     bookkeeping by `train.select_by`; True when patience runs out. The measuring runs inside `abandonable`
     (a stop signal may abandon it there), the bookkeeping after it never is."""
-    settings, rescored = rouge_settings(s.cfg), None
+    settings, rescored = rouge_settings(s), None
     with abandonable():
         started = time.perf_counter()
         metrics = evaluate_loss(s.eval_model, s.valid_loader, s.rt, s.cfg.train.module_stats)
@@ -108,7 +109,7 @@ def rescore_best(s: Session, settings: dict) -> dict | None:
         value = valid_rouge(s, place_model(checkpoint.restore_model(checkpoint.load(path)), s.rt).eval())["rouge1"]
     else:  # removed by hand: nothing to compare with
         value = float("-inf")
-    changed = ", ".join(f"{key} {best['settings'][key]!r} -> {now!r}" for key, now in settings.items()
+    changed = ", ".join(f"{key} {best['settings'].get(key)!r} -> {now!r}" for key, now in settings.items()
                         if best["settings"].get(key) != now)
     if s.rt.is_main:
         print(f"best.pt (ROUGE-1 {best['value']:.4f}) was scored with other settings ({changed}): "
