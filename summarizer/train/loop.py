@@ -144,6 +144,7 @@ def train(cfg: Config) -> dict:
             except (RuntimeError, ConnectionError, EOFError) as exc:
                 if not worker_died(exc, cfg.data.num_workers):
                     raise
+                settle(session, loop)  # the checkpoint dead_worker writes counts the last step too (save_settled)
                 dead_worker(session, loop.stop, exc)
                 break
             with loop.children.deferred():  # from here to the next fetch: logging, validation, checkpoints too
@@ -322,6 +323,7 @@ def after_step(session: Session, loop: Loop, out: dict, time_up: bool) -> bool:
         except (RuntimeError, ConnectionError, EOFError) as exc:  # the validation loader's workers die too
             if not worker_died(exc, session.cfg.data.num_workers):
                 raise
+            settle(session, loop)
             dead_worker(session, loop.stop, exc)  # raises, or returns where a stop signal killed the worker
             return True
         window.reset()  # evaluation is not training throughput
