@@ -159,12 +159,14 @@ step 2 bench 270 "$PY" -m summarizer bench "${COMMON[@]}" run.name=gc_bench "run
   $([ "$DEV" = cuda ] && echo bench.repeats=1 bench.warmup=1 bench.steps=40 || echo bench.repeats=1 bench.warmup=0 bench.steps=2) \
   bench.find_batch_tokens=false
 
-# 6. Where the time goes, by torch.profiler: the first steps of a fresh run (new batch shapes) in fp32 and bf16
-# (profile.txt: operators by device time), and a beam-4 decode of the test split with the fp32 run's weights.
+# 6. Where the time goes, by torch.profiler: the first steps of a fresh run (new batch shapes) in fp32 and bf16,
+# launched from Python (profile.txt: operators by device time), and a beam-4 decode of the test split with the fp32
+# run's weights.
 PROFILE_STEPS=$((FEW > 20 ? 20 : FEW))
 for p in fp32 bf16; do
   step 6 "profile train $p" 90 "${TRAIN[@]}" "run.name=gc_profile_$p" "run.dir=$OUT/profile/train_$p" \
-    "train.precision=$p" "train.profile_steps=$PROFILE_STEPS" $(schedule $((PROFILE_STEPS + 3)) $((PROFILE_STEPS + 3)))
+    "train.precision=$p" train.cuda_graphs=false "train.profile_steps=$PROFILE_STEPS" \
+    $(schedule $((PROFILE_STEPS + 3)) $((PROFILE_STEPS + 3)))
 done
 if [ -f "$OUT/train/fp32/best.pt" ]; then
   for e in decode:4 decode_greedy:1; do
@@ -181,7 +183,7 @@ fi
 # logged step also reads the per-module statistics.
 if [ "$DEV" = cuda ] && [ -f "$SYN/meta.json" ]; then
   step 6 "profile gigaword bf16" 120 "${GW[@]}" run.name=gc_profile_gigaword "run.dir=$OUT/profile/gigaword_bf16" \
-    train.precision=bf16 train.profile_steps=10 train.profile_after=300 $(schedule 312 312)
+    train.precision=bf16 train.cuda_graphs=false train.profile_steps=10 train.profile_after=300 $(schedule 312 312)
 else
   skip 6 "profile gigaword bf16" "GPU only, with part 5's synthetic pairs"
 fi
