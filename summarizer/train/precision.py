@@ -11,8 +11,10 @@ activation memory). Where the whole step replays as a CUDA graph (train.cuda_gra
 holds instead, and 16 bit is chosen untimed: what an eager probe would time, the host launching autocast's casts, is
 gone from a replayed step, and what is left is the GPU's own time, less in 16 bit than in TF32 (the recipe's step on
 an H100: 3.0 ms against 3.4, docs/results.md "Where the time goes"). The result is kept in the run's progress and
-reused on resume on the same kind of GPU and model (eager, compiled in one mode, or captured), so a run never changes
-precision between its checkpoints on one machine."""
+reused on resume on the same kind of GPU and model (eager, compiled in one mode, or captured), so a run changes
+precision between its checkpoints on one machine only where its step changes form: a run launched from Python
+(DDP, train.cuda_graphs=false, or any run before train.cuda_graphs became the default) resumed with its step
+captured takes 16 bit by the rule, said on stderr with the setting's change."""
 from __future__ import annotations
 
 import dataclasses
