@@ -3,8 +3,9 @@
 
 Every linear layer, and the output projection onto the vocabulary (tied to the embedding, so given
 its own int8 copy here), computes with int8 weights and activations quantized on the fly (`Int8Linear`:
-torch's quantized linear kernels, fbgemm on x86, called directly; what torch.ao.quantization.quantize_dynamic
-makes, without that API, which torch deprecates for the separate torchao package); embeddings, norms, attention
+torch's quantized linear kernels, fbgemm on x86, called directly: what torch.ao.quantization.quantize_dynamic
+makes, without that API, which torch deprecates for the separate torchao package; the quantized tensors beneath
+are deprecated too, with nothing as fast to replace them on a CPU yet); embeddings, norms, attention
 scores and the copy mixture stay in float32. Weights shrink 4x and the matmuls run faster; the
 cost in ROUGE is measured by `make bench` and on both dev sets with three seeds (docs/results.md):
 within the seeds' noise, so `auto` (the default) decodes in int8 wherever the CPU would decode in fp32.
@@ -16,6 +17,7 @@ sentences decoded beside it (eval.batch_tokens, eval.threads, the lines `summari
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import nn
@@ -108,8 +110,12 @@ class Int8Linear(nn.Module):
         bound = torch.max(-torch.min(low, zero), torch.max(high, zero))
         scale = torch.max(bound / (float(127 - (-128)) / 2), torch.tensor(torch.finfo(torch.float32).eps))
         bias = linear.bias.detach().float() if linear.bias is not None else None
-        self.packed = torch.ops.quantized.linear_prepack(
-            torch.quantize_per_tensor(weight, float(scale), 0, torch.qint8), bias)
+        with warnings.catch_warnings():  # torch deprecates quantized tensors too, with no CPU kernel to replace
+            # them yet: weight-only int8 (torch._weight_int8pack_mm) ran 30-70x slower than fp32 here
+            # (docs/experiments/decoding.md)
+            warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor", category=UserWarning)
+            qweight = torch.quantize_per_tensor(weight, float(scale), 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range=True).to(x.dtype)
