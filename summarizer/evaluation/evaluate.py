@@ -22,14 +22,14 @@ from summarizer.decode.inference import (
 from summarizer.decode.lexicon import lexicon
 from summarizer.decode.quantize import decoding_precision
 from summarizer.decode.search import copied_unknowns, decode_all, decode_batch_tokens, static_shapes
-from summarizer.evaluation.scoring import quality, rouge_report, words
+from summarizer.evaluation.scoring import measure_for, quality, rouge_report, words
 from summarizer.outputs import claim_dir, refuse_overlap, write_together
 
 
 def score(cfg: Config, meta: dict, pairs: list[dict], predictions: list[str]) -> dict:
     """ROUGE (F, or recall at eval.truncate_bytes as DUC reports it), the quality rates and lead-N."""
     e, norm = cfg.eval, meta["normalization"]
-    measure = "r" if e.truncate_bytes else "f"
+    measure = measure_for(e.truncate_bytes)
     references = [p.get("references") or [p["target"]] for p in pairs]
     report = rouge_report(predictions, references, e.bootstrap_samples, measure=measure)
     sources = [[words(normalize_as(p["source"], norm)), words(p["source"])]
@@ -107,7 +107,7 @@ def warm_up(model, ids: list, cfg: Config, rt: runtime.Runtime, rules_lexicon) -
 def summary_line(report: dict, out_dir: Path) -> str:
     s = report["settings"]
     measure = f"recall at {s['truncate_bytes']} bytes" if s["truncate_bytes"] else "F"
-    m = "r" if s["truncate_bytes"] else "f"
+    m = measure_for(s["truncate_bytes"])
     lead = " ".join(f"{k} R1 {v['rouge1']:.1f}" for k, v in report["lead"].items())
     return (f"{s['split']} ({s['pairs']} pairs, beam {s['beam_size']}): ROUGE-1/2/L {measure} "
             f"{report['rouge1'][m]:.2f}/{report['rouge2'][m]:.2f}/{report['rougeL'][m]:.2f}; "

@@ -21,6 +21,11 @@ def unify_unk(text: str) -> str:
     return _UNK.sub("unk", text)
 
 
+def measure_for(truncate_bytes: int) -> str:
+    """The ROUGE measure a report scores in: recall ("r") of summaries cut to `truncate_bytes` (DUC's), else F."""
+    return "r" if truncate_bytes else "f"
+
+
 def pair_scores(predictions: list[str], references: list[list[str]], measure: str = "f",
                 desc: str = "") -> np.ndarray:
     """(pairs, 3 ROUGE types, 3 measures p/r/f) as fractions, over each pair's references.

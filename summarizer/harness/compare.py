@@ -11,7 +11,7 @@ from summarizer.data.pairs import read_pairs_file
 from summarizer.data.prepared import read_pairs
 from summarizer.decode.inference import truncate_bytes
 from summarizer.errors import UserError
-from summarizer.evaluation.scoring import MEASURES, ROUGE_TYPES, bootstrap_means, pair_scores
+from summarizer.evaluation.scoring import MEASURES, ROUGE_TYPES, bootstrap_means, measure_for, pair_scores
 from summarizer.outputs import check_report_target, write_report
 
 NAMES = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L"}
@@ -138,7 +138,7 @@ def compare(a: str, b: str, ref: str, out_dir: str | Path = ".", samples: int = 
     if out.resolve() in {path_a.resolve(), path_b.resolve(), Path(where).resolve()}:
         raise CompareError(f"output {out} is one of the inputs; choose another --out")
     check_report_target(out, WRITER, "--out")
-    measure = "r" if truncate else "f"
+    measure = measure_for(truncate)
     cut = {name: [truncate_bytes(p, truncate, whole_words=True) for p in preds]
            for name, preds in (("A", preds_a), ("B", preds_b))}
     scores = [pair_scores(cut[name], references, measure, f"score {name}")[:, :, MEASURES.index(measure)]

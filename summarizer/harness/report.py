@@ -15,7 +15,7 @@ import yaml
 from summarizer.config.load import load_config, to_dict
 from summarizer.config.schema import rules
 from summarizer.errors import ConfigError, UserError
-from summarizer.evaluation.scoring import ROUGE_TYPES
+from summarizer.evaluation.scoring import ROUGE_TYPES, measure_for
 from summarizer.model import checkpoint
 
 DEFAULT_ROOT = Path("checkpoints")
@@ -112,7 +112,7 @@ def _rouge(run_dir: Path, records: list[dict]) -> dict:
     if report and all(kind in report for kind in ROUGE_TYPES):
         settings = report.get("settings", {})
         cut = settings.get("truncate_bytes") or 0
-        measure = "r" if cut else "f"
+        measure = measure_for(cut)
         return {"rouge_from": "eval", "eval_split": settings.get("split"), "eval_pairs": settings.get("pairs"),
                 "rouge_measure": f"recall@{cut}" if cut else "F", "sentences_per_s": report.get("sentences_per_s"),
                 **{kind: report[kind][measure] for kind in ROUGE_TYPES},

@@ -15,7 +15,7 @@ from summarizer.config.schema import Config
 from summarizer.data.prepared import read_pairs
 from summarizer.errors import ConfigError
 from summarizer.evaluation.evaluate import evaluate
-from summarizer.evaluation.scoring import ROUGE_TYPES
+from summarizer.evaluation.scoring import ROUGE_TYPES, measure_for
 from summarizer.model import checkpoint
 from summarizer.outputs import check_report_target, write_report
 from summarizer.train.stages import train_stages
@@ -131,7 +131,7 @@ def run_seeds(stages: list[tuple[str, Config]], n: int) -> tuple[dict, Path]:
     for seed in range(1, n + 1):
         seeded = seed_stages(stages, seed)
         report = run_seed(seeded)
-        measure = "r" if report["settings"].get("truncate_bytes") else "f"  # what the evaluation measured
+        measure = measure_for(report["settings"].get("truncate_bytes"))  # what the evaluation measured
         runs.append({"seed": seed, "run_dir": str(seeded[-1][1].run_dir),
                      **{kind: report[kind][measure] for kind in ROUGE_TYPES},
                      "checkpoint_step": report["settings"]["checkpoint"]["step"]})
