@@ -11,7 +11,7 @@ from data_prep.sources import PRODUCT_SPLITS, input_files, is_hub, load_splits
 from data_prep.tokenize import encode_split, token_dtype, write_split
 from data_prep.train_spm import train_spm
 from summarizer.config.schema import DataConfig
-from summarizer.data.prepared import FORMAT_VERSION, META_FILE, SPM_FILE, split_files
+from summarizer.data.prepared import FORMAT_VERSION, META_FILE, SHAPING_KEYS, SPM_FILE, differing_settings, split_files
 from summarizer.data.tokenizer import BOS, EOS, PAD, UNK
 from summarizer.errors import ConfigError, DataError
 from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
@@ -22,10 +22,9 @@ CACHE_DIR = ".hf_cache"  # datasets' cache inside data.dir: nothing is written t
 OUTPUT_KEYS = ("source", "source_field", "target_field", "references_field", "splits", "valid_holdout",
                "lowercase", "mask_digits", "word_tokenizer", "max_source_words", "max_target_words", "vocab_size",
                "spm_model_type", "spm_character_coverage", "spm_input_sentence_size")
-# Of those, the ones that shape the pairs and pieces rather than name where they come from: an existing dir
-# prepared with other values is used as it is by `--if-missing` (make train, make eval), which says so.
-SHAPING_KEYS = ("valid_holdout", "lowercase", "mask_digits", "word_tokenizer", "max_source_words", "max_target_words",
-                "vocab_size", "spm_model_type", "spm_character_coverage", "spm_input_sentence_size")
+# Of those, SHAPING_KEYS (summarizer/data/prepared.py) shape the pairs and pieces rather than name where they come
+# from: an existing dir prepared with other values is used as it is by `--if-missing` (make train, make eval), which
+# says so.
 # Below this many rows per process, starting worker processes costs more than it saves.
 MIN_ROWS_PER_PROC = 20_000
 
@@ -114,11 +113,10 @@ def other_settings(data_dir: Path, cfg: DataConfig) -> list[str]:
     """The SHAPING_KEYS a prepared dir was made with that differ from `cfg`'s ("key old -> new"); none for a dir
     prepared before meta.json recorded them."""
     try:
-        kept = json.loads((data_dir / META_FILE).read_text()).get("settings", {})
+        meta = json.loads((data_dir / META_FILE).read_text())
     except (OSError, ValueError):
         return []
-    return [f"data.{key} {kept[key]} -> {getattr(cfg, key)}" for key in SHAPING_KEYS
-            if key in kept and kept[key] != getattr(cfg, key)]
+    return [f"data.{key} {made} -> {now}" for key, made, now in differing_settings(cfg, meta)]
 
 
 def refuse_silent_rebuild(data_dir: Path, cfg: DataConfig) -> None:

@@ -51,19 +51,24 @@ def check_data_settings(cfg: DataConfig, meta: dict) -> None:
 # Keys only prep reads (what it kept, how it trained the vocabulary): a run takes them from the data it reads
 PREP_ONLY = ("valid_holdout", "max_source_words", "max_target_words", "spm_model_type", "spm_character_coverage",
              "spm_input_sentence_size")
+# What meta.json's "settings" records: those, and the normalisation and vocabulary size (check_data_settings)
+SHAPING_KEYS = ("lowercase", "mask_digits", "word_tokenizer", "vocab_size", *PREP_ONLY)
+
+
+def differing_settings(cfg: DataConfig, meta: dict, keys: tuple = SHAPING_KEYS) -> list[tuple[str, object, object]]:
+    """(key, as prepared, as `cfg` has it) for each of `keys` that differs from the prepared dir's meta.json
+    "settings"; none for a dir prepared before meta.json kept them."""
+    made = meta.get("settings", {})
+    return [(key, made[key], getattr(cfg, key)) for key in keys if key in made and made[key] != getattr(cfg, key)]
 
 
 def adopt_prep_settings(cfg: DataConfig, meta: dict) -> list[str]:
-    """The PREP_ONLY keys set in `cfg` as the prepared dir was made with them (meta.json "settings"), so a run's
-    config records the data it read; returns "data.KEY config -> prepared" for each that differed. Nothing
-    for a dir prepared before meta.json kept its settings."""
-    made = meta.get("settings", {})
-    changed = [f"data.{key} {getattr(cfg, key)!r} -> {made[key]!r}" for key in PREP_ONLY
-               if key in made and getattr(cfg, key) != made[key]]
-    for key in PREP_ONLY:
-        if key in made:
-            setattr(cfg, key, made[key])
-    return changed
+    """The PREP_ONLY keys set in `cfg` as the prepared dir was made with them, so a run's config records the data
+    it read; returns "data.KEY config -> prepared" for each that differed."""
+    changed = differing_settings(cfg, meta, PREP_ONLY)
+    for key, made, _ in changed:
+        setattr(cfg, key, made)
+    return [f"data.{key} {now!r} -> {made!r}" for key, made, now in changed]
 
 
 def valid_split(meta: dict, speed_only: bool = False) -> str:
