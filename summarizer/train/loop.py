@@ -205,7 +205,7 @@ def step_once(session: Session, fetched: list, data_s: float, loop: Loop) -> dic
     loop.unread = Unread(runtime.LateRead(out["finite"]), progress["step"], epoch, position, micro)
     if train_cfg.spike_factor and bool(out["finite"]) and roll_back_spike(session, fetched, out):
         loop.window.reset()
-        session.progress["bad_in_row"], loop.unread = 0, None  # the progress the rollback loaded
+        progress["bad_in_row"], loop.unread = 0, None
         return None
     flops = [batch_flops(session.cfg.model, session.meta["vocab_size"], batch) for batch, _, _ in fetched]
     loop.window.add(out, micro, data_s, (sum(f[0] for f in flops), sum(f[1] for f in flops)))
@@ -287,7 +287,7 @@ def settle(session: Session, loop: Loop) -> None:
     train_cfg = session.cfg.train
     finite = bool(unread.finite.get())
     overflow = not finite and session.scaler.is_enabled() and session.scaler.get_scale() >= 1.0
-    bad = session.progress["bad_in_row"] = 0 if finite or overflow else session.progress.get("bad_in_row", 0) + 1
+    bad = session.progress["bad_in_row"] = 0 if finite or overflow else session.progress["bad_in_row"] + 1
     if not bad:
         return
     where = first_nonfinite(session.model, unread.micro_batches, session.rt, train_cfg)

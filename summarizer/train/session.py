@@ -250,7 +250,7 @@ def open_session(cfg: Config) -> Session:
                 "bad_in_row": 0, "world_size": rt.world_size}
     if state is not None:
         restore_rng(state, rt)
-        progress = state["progress"]
+        progress = {"bad_in_row": 0, **state["progress"]}  # a checkpoint from before the count was kept: none
         check_processes(progress.setdefault("world_size", rt.world_size), rt.world_size)
     del state  # the weights now live in the model
     scheduler = build_scheduler(optimizer, cfg.train, progress["step"])
