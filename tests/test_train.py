@@ -29,6 +29,11 @@ SMALL = ["model.d_model=32", "model.n_heads=4", "model.encoder_layers=1", "model
          "train.eval_every=20", "train.ckpt_every=20", "train.warmup_steps=10", "train.sample_summaries=1"]
 
 
+# validation with ROUGE, best.pt chosen by it, and a checkpoint every 10 steps: what a resume then compares
+ROUGE_EVERY_10 = ["train.eval_every=10", "train.rouge_every=10", "train.rouge_samples=8", "train.select_by=rouge",
+                  "train.ckpt_every=10"]
+
+
 def make_cfg(tiny_data, run_dir, *extra):
     return load_config(ROOT / "configs/tiny.yaml",
                        [f"data.dir={tiny_data}", f"run.dir={run_dir}", f"run.tensorboard_dir={run_dir}/tb",
@@ -515,8 +520,7 @@ def test_overfit_check_memorises_the_fixture(tiny_data, tmp_path, capsys):
 def test_a_run_resumed_with_other_rouge_settings_scores_its_best_again_with_them(tiny_data, tmp_path, capsys):
     """best.pt's validation ROUGE, measured with eval.max_len=30, is not what later validations with 4 measure:
     resumed so, the run decodes best.pt again with the new settings before it compares."""
-    rouge = ["train.eval_every=10", "train.rouge_every=10", "train.rouge_samples=8", "train.select_by=rouge",
-             "train.ckpt_every=10", "eval.min_len=2"]
+    rouge = [*ROUGE_EVERY_10, "eval.min_len=2"]
     run, short = tmp_path / "run", ["eval.max_len=4"]
     train_mod.train(make_cfg(tiny_data, run, "train.max_steps=10", "eval.max_len=30", *rouge))
     capsys.readouterr()
@@ -555,8 +559,7 @@ def test_a_run_records_the_keys_only_prep_reads_as_its_data_was_prepared(tiny_da
 
 def test_a_run_resumed_in_another_precision_scores_its_best_again_in_it(tiny_data, tmp_path, capsys):
     """Validation decodes in the run's precision, which may change on resume: best.pt is decoded again in it."""
-    rouge = ["train.eval_every=10", "train.rouge_every=10", "train.rouge_samples=8", "train.select_by=rouge",
-             "train.ckpt_every=10"]
+    rouge = ROUGE_EVERY_10
     run = tmp_path / "run"
     train_mod.train(make_cfg(tiny_data, run, "train.max_steps=10", "train.precision=fp32", *rouge))
     capsys.readouterr()
