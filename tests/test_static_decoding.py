@@ -2,7 +2,10 @@
 on, in both attention kernels (in float32: int8 layers scale activations per batch, and a static batch keeps its
 finished rows); its step keeps one shape; `eval.shapes` picks it where it should.
 Its CUDA graph path is run by the GPU test at the end (skipped without a GPU)."""
+import contextlib
 import dataclasses
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -130,10 +133,88 @@ def test_a_static_step_reads_nothing_back_and_updates_its_tensors_in_place(tiny_
     assert int(step.step) == s.max_len + 1 and int(rules.words.column) == s.max_len + 1
 
 
+class FakeGraphs:
+    """torch.cuda's graph capture as `Replayed.run` calls it, on a CPU: each call of a step is logged as a warm-up
+    (on the side stream), a capture (the step's code run inside `torch.cuda.graph`), a replay or an eager call;
+    `fail` captures raise as a failed capture does."""
+
+    def __init__(self, monkeypatch):
+        self.log, self.capturing, self.fail = [], False, 0
+        fake = self
+
+        class Graph:
+            def replay(self):
+                fake.log.append("replay")
+
+        @contextlib.contextmanager
+        def graph(_graph, capture_error_mode):
+            fake.capturing = True
+            try:
+                yield
+            finally:
+                fake.capturing = False
+            if fake.fail:
+                fake.fail -= 1
+                raise RuntimeError("operation not permitted when stream is capturing")
+
+        def on_side_stream(_device, run):
+            fake.log.append("warm-up")
+            return run()
+
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+        monkeypatch.setattr(torch.cuda, "device", lambda _device: contextlib.nullcontext())
+        monkeypatch.setattr(runtime, "on_side_stream", on_side_stream)
+        monkeypatch.setattr(Replayed, "ready", threading.local())  # no capture in this process yet
+        monkeypatch.setattr(Replayed, "warned", False)
+
+    def step(self) -> Replayed:
+        fake = self
+
+        class Step(Replayed):
+            def _run(self):
+                if fake.capturing:
+                    fake.log.append("capture")
+                elif not fake.log or fake.log[-1] != "warm-up":
+                    fake.log.append("eager")
+                return self.step
+
+        state = SimpleNamespace(src_ids=torch.zeros(2, 3, dtype=torch.long), memory=torch.zeros(2, 3, 4),
+                                self_kv=[(torch.zeros(2, 1, 5, 4), torch.zeros(2, 1, 5, 4))])
+        step = Step(None, state, None, capacity=4)
+        step.graphs = True  # as on a GPU
+        return step
+
+    def calls(self, step: Replayed, n: int) -> list[str]:
+        self.log.clear()
+        for _ in range(n):
+            step.run()
+        return list(self.log)
+
+
+def test_a_thread_warms_up_before_its_first_capture_only_and_falls_back_to_it_when_a_capture_fails(monkeypatch,
+                                                                                                capsys):
+    fake = FakeGraphs(monkeypatch)
+    assert fake.calls(fake.step(), 4) == ["warm-up", "warm-up", "capture", "replay", "replay"]
+    assert fake.calls(fake.step(), 2) == ["capture", "replay", "replay"]  # the thread's next batches
+    other = []
+    thread = threading.Thread(target=lambda: other.extend(fake.calls(fake.step(), 3)))
+    thread.start()
+    thread.join()
+    assert other == ["warm-up", "warm-up", "capture", "replay"]  # each thread sets up its own
+    fake.fail = 1  # a capture without warm-up fails: the step warms up and is captured after it
+    assert fake.calls(fake.step(), 4) == ["capture", "warm-up", "warm-up", "capture", "replay", "replay"]
+    assert fake.calls(fake.step(), 1) == ["capture", "replay"]
+    fake.fail = 2  # a capture after warm-up fails too: eager from there on, said once
+    assert fake.calls(fake.step(), 4) == ["capture", "warm-up", "warm-up", "capture", "eager", "eager"]
+    assert "a decoding step could not be captured as a CUDA graph" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("beam", [4, 1])
 def test_cuda_graph_replay_equals_the_eager_search_on_a_gpu(model, sources, beam):
-    """On a GPU the static search captures its whole step as a CUDA graph (after two eager steps) and replays it."""
+    """On a GPU the static search captures its whole step as a CUDA graph and replays it: after two eager steps
+    in a thread's first search, at the first step in the next."""
     m, src = Seq2Seq(model.cfg, 40).cuda().eval(), sources.cuda()
     m.load_state_dict(model.state_dict())
     captured = []
@@ -147,8 +228,12 @@ def test_cuda_graph_replay_equals_the_eager_search_on_a_gpu(model, sources, beam
     s = settings(beam_size=beam, no_repeat_ngram=2)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Replayed, "run", spy)
+        mp.setattr(Replayed, "ready", threading.local())  # as in a new process
         assert static_search(m, src, s) == eager(m, src, s)
-    assert captured[:2] == [False, False] and all(captured[2:]) and len(captured) > 3
+        assert captured[:2] == [False, False] and all(captured[2:]) and len(captured) > 3
+        captured.clear()
+        assert static_search(m, src, s) == eager(m, src, s)
+        assert all(captured) and len(captured) > 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -37,10 +37,13 @@ from summarizer.decode.rules import (
 
 class Replayed:
     """A search step over buffers it updates in place (`_run`): the rows' last tokens, their prefixes (BOS, then
-    `capacity` tokens), the step, the cache and the rules. On CUDA, with the whole model on the search's GPU, after
-    `warmup` eager calls on a side stream (which CUDA graph capture asks for), it is captured once as a graph and
-    replayed; its output is then the same tensor every call, valid until the next one. Elsewhere, or where the
-    capture fails (said once, on stderr), it runs eagerly.
+    `capacity` tokens), the step, the cache and the rules. On CUDA, with the whole model on the search's GPU, it is
+    captured once as a graph and replayed; its output is then the same tensor every call, valid until the next one.
+    Before a thread's first capture on a device, `warmup` eager calls on a side stream set up what a capture cannot
+    (the thread's cuBLAS handle, kernels loaded on first use: torch's CUDA graph notes ask for it); once a capture
+    there has worked, the thread's later steps are captured at their first call, as training's are
+    (summarizer/train/graphs.py), and a capture that fails then falls back to the warm-up. Elsewhere, or where a
+    capture after warm-up fails (said once, on stderr), it runs eagerly.
 
     One capture at a time in the process (torch's rule), whatever the decoding threads (`eval.threads`); and a
     capture forbids only its own thread the calls that would break it (capture_error_mode="thread_local"), so
@@ -49,6 +52,7 @@ class Replayed:
 
     warned = False
     capturing = threading.Lock()
+    ready = threading.local()  # .devices: where this thread has captured a step, its set-up done
 
     def __init__(self, model, state, rules: Rules, capacity: int, warmup: int = 2):
         self.device = device = state.src_ids.device
@@ -84,7 +88,8 @@ class Replayed:
             return self.out
         if not self.graphs:
             return self._run()
-        if self.calls < self.warmup:
+        ready = getattr(Replayed.ready, "devices", set())
+        if self.calls < self.warmup and self.device not in ready:
             self.calls += 1
             return runtime.on_side_stream(self.device, self._run)
         try:
@@ -92,13 +97,17 @@ class Replayed:
             with Replayed.capturing, torch.cuda.device(self.device), \
                     torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.out = self._run()
-        except RuntimeError as exc:  # nothing ran during the capture: the step runs eagerly from here on
-            self.graphs = False
+        except RuntimeError as exc:  # nothing ran during the capture
+            if self.calls < self.warmup:  # not warmed up: this step warms up, as a thread's first capture does
+                Replayed.ready.devices = ready - {self.device}
+                return self.run()
+            self.graphs = False  # the step runs eagerly from here on
             if not Replayed.warned:
                 Replayed.warned = True
                 print(f"warning: a decoding step could not be captured as a CUDA graph ({exc}); decoding runs "
                       f"eagerly", file=sys.stderr, flush=True)
             return self._run()
+        Replayed.ready.devices = ready | {self.device}
         self.graph = graph
         graph.replay()
         return self.out
