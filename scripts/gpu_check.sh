@@ -97,7 +97,9 @@ done
 # the default (auto; on a GPU static shapes for greedy, the reference's settings for beam 4, there showing run-to-run
 # noise), static shapes (a CUDA graph of each whole step), at beam 4 bf16, and batches a quarter of the default's
 # (on a GPU the default takes the whole split in one batch: a step's cost is its launches, so fewer, fuller steps).
-# The report compares each one's predictions and speed with the reference's.
+# The report compares each one's predictions and speed with the reference's. On a CPU every one decodes without int8
+# layers, as a GPU does (eval.quantize auto is int8 on a CPU in fp32; they scale activations per batch, so batches of
+# other shapes would decode other words, which is not what these comparisons are about).
 LIMIT=$([ "$DEV" = cuda ] && echo 0 || echo 40)
 if [ -f "$OUT/train/fp32/best.pt" ]; then
   QUARTER=$([ "$DEV" = cuda ] && echo 524288 || echo 4096)
@@ -108,7 +110,7 @@ if [ -f "$OUT/train/fp32/best.pt" ]; then
     run=${name}_${p}_$shapes${batch:+_$batch}
     step 3 "eval $run" 90 "$PY" -m summarizer eval "${COMMON[@]}" run.name=gc_fp32 "run.dir=$OUT/train/fp32" \
       "eval.out_dir=$OUT/eval/$run" "eval.beam_size=$beam" "eval.precision=$p" "eval.shapes=$shapes" \
-      "eval.batch_tokens=${batch:-0}" "eval.limit=$LIMIT" eval.bootstrap_samples=200
+      "eval.batch_tokens=${batch:-0}" "eval.limit=$LIMIT" eval.bootstrap_samples=200 eval.quantize=none
   done
 else
   skip 3 eval "no checkpoint: part 1's fp32 run did not finish (failed, or not run)"
@@ -180,10 +182,15 @@ else
 fi
 # gigaword.yaml's model in bf16 past the first epoch's new shapes (an epoch of the synthetic pairs is about 290
 # steps): steps 302-311 of one process. A resumed process would meet every shape anew. Logged only at the end: a
-# logged step also reads the per-module statistics.
+# logged step also reads the per-module statistics. Captured (the default) first: its kernels as the graphs replay
+# them, and how busy they keep the GPU (what bounds MFU once launches cost nothing); then launched from Python.
 if [ "$DEV" = cuda ] && [ -f "$SYN/meta.json" ]; then
-  step 6 "profile gigaword bf16" 120 "${GW[@]}" run.name=gc_profile_gigaword "run.dir=$OUT/profile/gigaword_bf16" \
-    train.precision=bf16 train.cuda_graphs=false train.profile_steps=10 train.profile_after=300 $(schedule 312 312)
+  for captured in true false; do
+    name=gigaword_bf16$([ "$captured" = true ] && echo _captured)
+    step 6 "profile ${name//_/ }" 120 "${GW[@]}" "run.name=gc_profile_$name" "run.dir=$OUT/profile/$name" \
+      train.precision=bf16 "train.cuda_graphs=$captured" train.profile_steps=10 train.profile_after=300 \
+      $(schedule 312 312)
+  done
 else
   skip 6 "profile gigaword bf16" "GPU only, with part 5's synthetic pairs"
 fi

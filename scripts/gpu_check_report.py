@@ -158,6 +158,7 @@ def top_operators(table: Path, n: int = 5) -> list[str]:
 
 
 TRAIN_PROFILES = (("train_fp32", "train fp32, first steps"), ("train_bf16", "train bf16, first steps"),
+                  ("gigaword_bf16_captured", "gigaword.yaml bf16 captured, steps after its first epoch's shapes"),
                   ("gigaword_bf16", "gigaword.yaml bf16, steps after its first epoch's shapes"))
 STEP_FIGURES = (("wall_ms", "ms a step"), ("device_ms", "ms the GPU is busy a step"),
                 ("launches", "kernel launches a step"), ("host_reads", "values read back to the host a step"))
