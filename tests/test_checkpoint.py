@@ -106,3 +106,15 @@ def test_restore_model_uses_the_checkpoints_own_config():
     assert restored.cfg == cfg.model and len(restored.encoder_layers) == 1
     pairs = zip(restored.state_dict().values(), model.state_dict().values(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_restoring_a_model_draws_nothing_from_the_random_stream():
+    """A training run re-scores best.pt (validation.rescore_best): its dropout, drawn from the CPU's stream, must
+    not change with it."""
+    from summarizer.config.load import load_config, to_dict
+    from summarizer.model.transformer import Seq2Seq
+    cfg = load_config(None, ["model.d_model=32", "model.ffn_dim=48"])
+    state = {"config": to_dict(cfg), "data_meta": {"vocab_size": 30}, "model": Seq2Seq(cfg.model, 30).state_dict()}
+    before = torch.get_rng_state()
+    checkpoint.restore_model(state)
+    assert torch.equal(torch.get_rng_state(), before)

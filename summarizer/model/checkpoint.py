@@ -104,8 +104,11 @@ def require_model(state: dict, path: str | Path) -> dict:
 def restore_model(state: dict) -> Seq2Seq:
     """The model a checkpoint describes, built from its own model config and vocabulary (never the current
     config's), with its weights, on the CPU: every path that loads weights builds the model here. Only
-    the model section is read: settings of decoding or logging may change between releases."""
-    model = Seq2Seq(from_dict({"model": state["config"]["model"]}).model, state["data_meta"]["vocab_size"])
+    the model section is read: settings of decoding or logging may change between releases. The initial weights
+    it replaces are drawn from a fork of the CPU's random stream: a training run that re-scores best.pt draws the
+    same dropout masks after it (validation.rescore_best)."""
+    with torch.random.fork_rng(devices=[]):
+        model = Seq2Seq(from_dict({"model": state["config"]["model"]}).model, state["data_meta"]["vocab_size"])
     model.load_state_dict(state["model"])
     return model
 
