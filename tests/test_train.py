@@ -539,6 +539,11 @@ def test_a_run_resumed_with_other_rouge_settings_scores_its_best_again_with_them
              if json.loads(line)["split"] == "valid" and json.loads(line)["step"] == 20][-1]["rouge1"]
     assert summary["best"]["value"] == pytest.approx(max(at_10, at_20), abs=1e-4)
     assert summary["best"]["settings"]["eval.max_len"] == 4
+    # the record says what each ROUGE was measured under, and best.pt's step and ROUGE re-measured
+    valid = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["split"] == "valid"]
+    assert [r["rouge_settings"]["eval.max_len"] for r in valid] == [30, 4]
+    assert valid[1]["best_step"] == 10 and valid[1]["best_rouge1"] == pytest.approx(float(said.group(2)), abs=1e-4)
 
 
 def test_a_run_records_the_keys_only_prep_reads_as_its_data_was_prepared(tiny_data, tmp_path, capsys):

@@ -107,7 +107,8 @@ def _progress(run_dir: Path) -> dict | None:
 
 def _rouge(run_dir: Path, records: list[dict]) -> dict:
     """ROUGE of the run's evaluation (rouge.json) in the measure it scored (F; recall where it cut summaries to
-    eval.truncate_bytes), else the best valid ROUGE-1 record (F) from training."""
+    eval.truncate_bytes), else the best valid ROUGE-1 (F) from training among those measured with the last one's
+    settings (best.pt's, where a resumed run re-scored it, among them)."""
     report = _read_json(run_dir / "rouge.json")
     if report and all(kind in report for kind in ROUGE_TYPES):
         settings = report.get("settings", {})
@@ -120,9 +121,13 @@ def _rouge(run_dir: Path, records: list[dict]) -> dict:
     valid = [r for r in records if r.get("split") == "valid" and r.get("rouge1") is not None]
     if not valid:
         return {"rouge_from": None}
-    best = max(valid, key=lambda r: r["rouge1"])
-    return {"rouge_from": "valid", "valid_step": best["step"], "rouge_measure": "F",
-            **{kind: best.get(kind) for kind in ROUGE_TYPES}}
+    # Only ROUGE measured as the last was (a run resumed with other eval settings re-scores best.pt under them)
+    valid = [r for r in valid if r.get("rouge_settings") == valid[-1].get("rouge_settings")]
+    scored = [(r["step"], {kind: r.get(kind) for kind in ROUGE_TYPES}) for r in valid]
+    scored += [(r["best_step"], {kind: r.get(f"best_{kind}") for kind in ROUGE_TYPES}) for r in valid
+               if "best_step" in r]
+    step, best = max(scored, key=lambda item: item[1]["rouge1"])
+    return {"rouge_from": "valid", "valid_step": step, "rouge_measure": "F", **best}
 
 
 def _run_name(run_dir: Path) -> str | None:

@@ -61,15 +61,16 @@ def validate(s: Session, extra: dict, rouge: bool, abandonable=contextlib.nullco
     """Validation loss, ROUGE on a fixed valid subset when due, samples, and best-checkpoint
     bookkeeping by `train.select_by`; True when patience runs out. The measuring runs inside `abandonable`
     (a stop signal may abandon it there), the bookkeeping after it never is."""
-    settings, rescored = rouge_settings(s), None
+    settings = rouge_settings(s)
     with abandonable():
+        # Every rank decodes the same subset deterministically, so all agree on the best without talking; each reads
+        # best.pt before evaluate_loss's all-reduce, which no rank passes before all reach it, so before it is replaced
+        rescored, best_again = rescore_best(s, settings) if rouge else (None, {})
         started = time.perf_counter()
         metrics = evaluate_loss(s.eval_model, s.valid_loader, s.rt, s.cfg.train.module_stats)
         metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
-        if rouge:
-            # Every rank decodes the same subset deterministically, so all agree on the best without talking.
-            metrics.update(valid_rouge(s, s.eval_model))
-            rescored = rescore_best(s, settings)
+        if rouge:  # logged with what it was measured under, and best.pt's ROUGE under that where it was re-scored
+            metrics.update(valid_rouge(s, s.eval_model), rouge_settings=settings, **best_again)
         samples = sample_summaries(s.eval_model, s.valid_ds, s.tokenizer, s.rt, s.cfg) \
             if s.rt.is_main and s.cfg.train.sample_summaries else None
     if rescored is not None:
@@ -97,16 +98,20 @@ def improves(metric: str, value: float, best: dict | None) -> bool:
     return value < best["value"] if metric == "loss" else value > best["value"]
 
 
-def rescore_best(s: Session, settings: dict) -> dict | None:
+def rescore_best(s: Session, settings: dict) -> tuple[dict | None, dict]:
     """The best so far as these `settings` score it, where its ROUGE was measured under others (a run resumed with
-    some of ROUGE_SETTINGS changed): best.pt's weights decoded again, said on stderr. None where nothing changed
+    some of ROUGE_SETTINGS changed): best.pt's weights decoded again, said on stderr; and for the validation's
+    record, best.pt's step and ROUGE so measured (best_step, best_rouge1, ...). (None, {}) where nothing changed
     (or the best predates the record of its settings, or is a loss)."""
     best = s.progress["best"]
     if not best or best["metric"] != "rouge1" or best.get("settings", settings) == settings:
-        return None
-    path = s.cfg.run_dir / checkpoint.BEST
+        return None, {}
+    path, again = s.cfg.run_dir / checkpoint.BEST, {}
     if path.is_file():
-        value = valid_rouge(s, place_model(checkpoint.restore_model(checkpoint.load(path)), s.rt).eval())["rouge1"]
+        state = checkpoint.load(path)
+        scores = valid_rouge(s, place_model(checkpoint.restore_model(state), s.rt).eval())
+        value = scores["rouge1"]
+        again = {"best_step": state["progress"]["step"], **{f"best_{kind}": scores[kind] for kind in ROUGE_TYPES}}
     else:  # removed by hand: nothing to compare with
         value = float("-inf")
     changed = ", ".join(f"{key} {best['settings'].get(key)!r} -> {now!r}" for key, now in settings.items()
@@ -114,7 +119,7 @@ def rescore_best(s: Session, settings: dict) -> dict | None:
     if s.rt.is_main:
         print(f"best.pt (ROUGE-1 {best['value']:.4f}) was scored with other settings ({changed}): "
               f"{value:.4f} with these, which later validations are compared with", file=sys.stderr, flush=True)
-    return {**best, "value": value, "settings": settings}
+    return {**best, "value": value, "settings": settings}, again
 
 
 def valid_rouge(s: Session, model: nn.Module) -> dict:

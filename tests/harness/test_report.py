@@ -128,3 +128,22 @@ def test_a_recipes_stages_are_rows_named_with_their_recipe(tmp_path):
     assert [r["run"] for r in rows] == ["plain", "two_stage/finetune", "two_stage/pretrain"]
     assert [r["run"] for r in collect([str(tmp_path / "two_stage")], tmp_path, BASE)] == [
         "two_stage/finetune", "two_stage/pretrain"]
+
+
+def test_a_run_resumed_with_other_rouge_settings_reports_its_best_among_rouge_measured_alike(tmp_path):
+    """Steps 100-200 scored summaries of up to 30 pieces, then the run resumed with 4: step 200's 35.0 says nothing
+    against step 300's 20.0; best.pt (step 200), re-scored under the new settings at 300, is 22.0."""
+    run = make_run(tmp_path, "resumed", [], [], False)
+    long, short = {"eval.max_len": 30}, {"eval.max_len": 4}
+    records = [{"step": 100, "split": "valid", "rouge1": 30.0, "rouge2": 10.0, "rougeL": 28.0, "rouge_settings": long},
+               {"step": 200, "split": "valid", "rouge1": 35.0, "rouge2": 12.0, "rougeL": 33.0, "rouge_settings": long},
+               {"step": 300, "split": "valid", "rouge1": 20.0, "rouge2": 8.0, "rougeL": 19.0, "rouge_settings": short,
+                "best_step": 200, "best_rouge1": 22.0, "best_rouge2": 9.0, "best_rougeL": 21.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    [row] = collect([str(run)])
+    assert (row["valid_step"], row["rouge1"], row["rouge2"], row["rougeL"]) == (200, 22.0, 9.0, 21.0)
+    records.append({"step": 400, "split": "valid", "rouge1": 24.0, "rouge2": 9.5, "rougeL": 23.0,
+                    "rouge_settings": short})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    [row] = collect([str(run)])
+    assert (row["valid_step"], row["rouge1"]) == (400, 24.0)
