@@ -154,7 +154,7 @@ def prepare(cfg: DataConfig) -> dict | None:
     if not is_hub(cfg.source):
         refuse_overlap(data_dir, input_files(cfg) + ([cfg.source] if isinstance(cfg.source, str) else []), "data.dir")
     fp = fingerprint(cfg)
-    if is_up_to_date(data_dir, fp):
+    if not cfg.rebuild and is_up_to_date(data_dir, fp):  # asked to rebuild: inputs may change unseen (size, mtime)
         print(f"{data_dir} is up to date (same inputs and data settings): nothing to do", flush=True)
         return None
     # only a dir this product marked as its data dir is ever rebuilt: a meta.json beside a user's files proves nothing

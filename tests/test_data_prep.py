@@ -186,7 +186,8 @@ def test_a_source_dir_names_the_data_files_it_does_not_read(tmp_path, capsys):
 
 def test_a_rebuild_reads_its_inputs_again_though_their_modification_time_is_the_same(tmp_path):
     """datasets keys its cache of a local file by path and modification time: a file rewritten with its time kept
-    (cp -p, rsync -t, an archive) would come back from the cache as it was. data.rebuild reads the files."""
+    (cp -p, rsync -t, an archive) would come back from the cache as it was, and of the same size it looks unchanged
+    to prep as well. data.rebuild reads the files."""
     import os
     source = tmp_path / "src"
     source.mkdir()
@@ -195,11 +196,13 @@ def test_a_rebuild_reads_its_inputs_again_though_their_modification_time_is_the_
     stamp = train.stat().st_mtime_ns
     cfg = [f"data.source={source}", "data.splits={train: [train]}", "data.vocab_size=40"]
     prepare(data_config(tmp_path / "out", *cfg))
-    train.write_text("".join(f'{{"source": "new words number {i} here", "target": "new {i}"}}\n' for i in range(41)))
+    size = train.stat().st_size
+    train.write_text("".join(f'{{"source": "new words number {i} here", "target": "new {i}"}}\n' for i in range(40)))
     os.utime(train, ns=(stamp, stamp))
+    assert train.stat().st_size == size
     prepare(data_config(tmp_path / "out", *cfg, "data.rebuild=true"))
     pairs = read_pairs(tmp_path / "out", "train")
-    assert len(pairs) == 41 and all(p["target"].startswith("new") for p in pairs)
+    assert len(pairs) == 40 and all(p["target"].startswith("new") for p in pairs)
 
 
 def test_valid_holdout_in_prepare(tmp_path):

@@ -74,7 +74,7 @@ class DataConfig:
     # >0 and no valid split mapped: hold this many train pairs out as the valid split (with data.source_tag set,
     # pairs of that tag only: validation scores the style that inference asks for)
     valid_holdout: int = key(500, low=0, resume=True)
-    rebuild: bool = key(False, resume=True, bookkeeping=True)  # prep: replace a prepared dir whose inputs changed
+    rebuild: bool = key(False, resume=True, bookkeeping=True)  # prep: replace a prepared dir, changed or not
     train_limit: int = key(0, low=0)  # >0: train on only the first N prepared train pairs (overfit checks)
     # source tag -> how many times an epoch its train pairs are drawn, on average (1 = once; 0.5 = half of them)
     source_weights: dict = key({})
