@@ -3,6 +3,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -560,6 +561,21 @@ def test_a_run_records_the_keys_only_prep_reads_as_its_data_was_prepared(tiny_da
     assert f"data.spm_model_type 'bpe' -> {made['spm_model_type']!r}" in err
     recorded = load_config(run / "config.yaml").data
     assert (recorded.max_source_words, recorded.spm_model_type) == (made["max_source_words"], made["spm_model_type"])
+
+
+def test_a_run_on_data_prepared_before_meta_recorded_its_settings_may_not_change_them_on_resume(tiny_data, tmp_path):
+    """Without meta.json's record of them, the keys only prep reads cannot be taken from the data: a changed one
+    would be recorded as if it had applied. Refused on resume, as every key that shapes the data."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    meta = json.loads((data / "meta.json").read_text())
+    del meta["settings"]
+    (data / "meta.json").write_text(json.dumps(meta))
+    run, few = tmp_path / "run", ["train.eval_every=2", "train.rouge_every=0", "train.select_by=loss"]
+    train_mod.train(make_cfg(data, run, "train.max_steps=2", *few))
+    with pytest.raises(ConfigError, match=r"data.max_source_words: 120 in the checkpoint, 7 now"):
+        train_mod.train(make_cfg(data, run, "train.max_steps=4", "data.max_source_words=7", *few))
+    assert train_mod.train(make_cfg(data, run, "train.max_steps=4", *few))["steps"] == 4
 
 
 def test_a_run_resumed_in_another_precision_scores_its_best_again_in_it(tiny_data, tmp_path, capsys):

@@ -20,15 +20,17 @@ def differences(old: dict, new: dict) -> list[tuple[str, object, object]]:
             for key, value in values.items() if new[section][key] != value]
 
 
-def check_resume(checkpoint_config: dict, cfg: Config, run_dir, step: int) -> list[dict]:
+def check_resume(checkpoint_config: dict, cfg: Config, run_dir, step: int,
+                 fixed: frozenset = frozenset()) -> list[dict]:
     """Compare the config a run resumes with against the one its checkpoint was trained with.
 
-    Refused keys raise one ConfigError naming each key with its old and new value and the fix; the
-    keys that may change come back as records {step, key, old, new}, to be logged and kept.
+    Refused keys (and those of `fixed`, which this run may not change) raise one ConfigError naming each key with
+    its old and new value and the fix; the keys that may change come back as records {step, key, old, new}, to be
+    logged and kept.
     """
     old, new = to_dict(from_dict(checkpoint_config)), to_dict(cfg)
     changed = differences(old, new)
-    refused = [(key, a, b) for key, a, b in changed if not may_change(key)]
+    refused = [(key, a, b) for key, a, b in changed if not may_change(key) or key in fixed]
     if refused:
         listed = "; ".join(f"{key}: {a!r} in the checkpoint, {b!r} now" for key, a, b in refused)
         raise ConfigError(f"run {run_dir} was trained with other settings that cannot change when it resumes "

@@ -19,6 +19,7 @@ from summarizer.config.schema import Config
 from summarizer.data.batches import PairDataset, TokenBatchSampler, make_loader, stop_workers
 from summarizer.data.noise import SpanMasker, word_starts
 from summarizer.data.prepared import (
+    PREP_ONLY,
     adopt_prep_settings,
     check_data_settings,
     open_tokenizer,
@@ -111,7 +112,10 @@ def resume_state(cfg: Config, meta: dict) -> tuple[dict | None, list[dict]]:
     for problem in skipped:
         print(f"warning: {problem}; resuming from {path.name} instead", file=sys.stderr)
     checkpoint.check_tokenizer(state["data_meta"], meta, f"run {cfg.run_dir}")
-    changes = check_resume(state["config"], cfg, cfg.run_dir, state["step"])
+    # the keys only prep reads change on resume only to what the data was made with (adopt_prep_settings), which a
+    # meta.json older than its record of them cannot say: there they stay as the run began
+    fixed = frozenset() if "settings" in meta else frozenset(f"data.{key}" for key in PREP_ONLY)
+    changes = check_resume(state["config"], cfg, cfg.run_dir, state["step"], fixed)
     if changes:
         print(f"resuming at step {state['step']} with changed settings: " + ", ".join(
             f"{c['key']} {c['old']!r} -> {c['new']!r}" for c in changes), file=sys.stderr)
@@ -241,6 +245,17 @@ def open_session(cfg: Config) -> Session:
         claim_dir(cfg.run_dir, "run", "run.dir", also=("overfit",))
         lock = hold_lock(cfg.run_dir, "run.dir")  # held until the run's process ends: one run per run dir
         claim_events_dir(cfg.tensorboard_dir, cfg.run_dir)
+    try:
+        return _session(cfg, rt, meta, tokenizer, init, lock)
+    except BaseException:  # refused (a resume's changed settings) or failed: the run dir is free again
+        if lock is not None:
+            with contextlib.suppress(OSError):
+                release_lock(lock)
+        raise
+
+
+def _session(cfg: Config, rt: Runtime, meta: dict, tokenizer: Tokenizer, init: dict | None, lock) -> Session:
+    """open_session's part once the run dir is held."""
     state, changes = resume_state(cfg, meta)
     kept = precision.recorded(state["progress"], cfg.train, rt) if state else None
     rt.precision = kept or rt.precision  # a resumed run keeps the precision its probe chose on this kind of GPU
