@@ -22,6 +22,11 @@ from summarizer.model.transformer import DecoderOutput
     ("he says `` no '' to nato", "He said \"no\" to NATO on Monday.", 'He says "no" to NATO'),
     ("profits drop 40 % in quarter", "A 40% drop in profits in the quarter.", "Profits drop 40% in quarter"),
     ("profits drop ## % in quarter", "A 40% drop in profits in the quarter.", "Profits drop 40% in quarter"),
+    ("ferry crash kills ## in norway", "at least ## people were killed when a ferry sank in Norway",
+     "Ferry crash kills ## in Norway"),  # digits the data itself masked (Gigaword's)
+    ("stocks up #.# percent ; dollar at ###.## yen", "Stocks rose #.# percent, and the dollar was at ###.## yen.",
+     "Stocks up #.# percent; dollar at ###.## yen"),
+    ("oil costs $ ## a barrel", "Oil cost $## a barrel.", "Oil costs $## a barrel"),
 ])
 def test_case_punctuation_and_digits_come_back_from_the_source(summary, source, expected):
     assert readable(summary, source) == expected

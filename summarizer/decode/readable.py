@@ -21,6 +21,8 @@ from nltk.tokenize.treebank import TreebankWordDetokenizer, TreebankWordTokenize
 PTB_BRACKETS = {"-lrb-": "(", "-rrb-": ")", "-lsb-": "[", "-rsb-": "]", "-lcb-": "{", "-rcb-": "}"}
 _UNKNOWN = re.compile(r"^(<unk>|UNK)$|\u2047")  # \u2047: an UNK piece nothing was copied for
 _DIGIT = re.compile(r"\d")
+_MASKED = re.compile(r"^[#.,:/-]*#$")  # a number whose digits the data masked (Gigaword's "##", "#.#"), kept apart
+_HELD = "\ue000{}\ue000"  # a private-use character: no detokenizer rule touches it
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,5 +48,9 @@ def readable(summary: str, source: str) -> str:
         if not _UNKNOWN.search(word):
             word = PTB_BRACKETS.get(word, word)
             out.append(cased.get(word, word))
-    text = _treebank()[1].detokenize(out)
+    # the detokenizer joins "#" to the next word ("# 1" -> "#1"): a masked number stays a word of its own
+    held = {_HELD.format(i): word for i, word in enumerate(out) if _MASKED.match(word)}
+    text = _treebank()[1].detokenize([_HELD.format(i) if _MASKED.match(w) else w for i, w in enumerate(out)])
+    for mark, word in held.items():
+        text = text.replace(mark, word)
     return text[:1].upper() + text[1:]
