@@ -146,8 +146,8 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     (BYTES_PER_TOKEN), so a file or a line of any size runs in constant memory; each chunk's summaries are
     written and flushed in input order before the next is read. One input line (`input_lines`) gives one
     output line, whatever its bytes: a line with nothing visible (`visible`) gives an empty summary, control
-    characters are spaces, and a line with undecodable bytes, or cut for its length, is summarised all the same
-    and named on stderr.
+    characters are spaces, and a line with undecodable bytes, or longer than the model reads, is summarised all
+    the same and named on stderr.
     `quiet` prints no bar and no summary line.
     """
     rt = runtime.setup(cfg.system, cfg.placement, decoding_precision(cfg))
@@ -166,7 +166,13 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
 
     for numbered in chunks(input_lines(stdin, cap), CHUNK_LINES):
         chunk = decode_lines(numbered, warn, cap)
-        sources = [tokenizer.encode_raw(text, norm)[:cfg.data.max_source_len] for text in chunk]
+        sources = []
+        for (number, (_, cut)), text in zip(numbered, chunk, strict=True):
+            ids = tokenizer.encode_raw(text, norm)
+            if len(ids) > cfg.data.max_source_len and not cut:  # a cut line was named already
+                warn(f"warning: input line {number} is {len(ids)} pieces long; the model reads its first "
+                     f"{cfg.data.max_source_len} (data.max_source_len)")
+            sources.append(ids[:cfg.data.max_source_len])
         hyps = decode_all(model, sources, cfg.eval, rt, lexicon=lexicon(cfg.data.dir))
         copied = copied_unknowns(model, sources, hyps, rt) if cfg.eval.readable else [None] * len(hyps)
         stdout.write("".join((summary_text(h, text, tokenizer, meta, cfg.eval.truncate_bytes, c)

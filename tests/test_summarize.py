@@ -2,6 +2,7 @@
 data.max_source_len, not by the input."""
 import io
 import random
+import re
 
 import pytest
 
@@ -77,7 +78,10 @@ def test_a_long_line_is_read_in_pieces_cut_named_once_and_gives_one_line(trained
     assert len(lines) == 3 and lines[0] == lines[2] and lines[1]
     assert err.count("longer than") == 1 and "input line 2 is longer than 2048 bytes" in err
     assert stdin.largest <= 100_000
-    assert lines[1] == run(trained_run, f"{start * 2}\n".encode(), "data.max_source_len=8")[0]
+    assert lines[1] == run(trained_run, f"rain fell .\n{start * 2}\n".encode(), "data.max_source_len=8")[1]
+    err = capsys.readouterr().err  # a line the model reads the start of, not cut for its bytes, is named too
+    assert re.search(r"warning: input line 2 is \d+ pieces long; the model reads its first 8 \(data.max_source_len\)",
+                     err) and "input line 1" not in err
 
 
 def test_nul_bytes_inside_a_line_are_spaces(trained_run):
