@@ -41,7 +41,7 @@ prep: install
 	$(PY) -m data_prep --config $(CONFIG) $(ARGS)
 
 # train and eval depend on the prepared data as Make targets do on their inputs: a missing data.dir is
-# prepared from data.source first (an existing one is used as it is; `make prep` rebuilds on purpose).
+# prepared from data.source first (an existing one is used as it is; `make prep` checks it against its inputs).
 train: install
 	$(PY) -m data_prep --if-missing --config $(CONFIG) $(ARGS)
 	$(PY) -m summarizer train --config $(CONFIG) $(ARGS)
@@ -56,9 +56,11 @@ summarize: install
 bench: install
 	$(PY) -m summarizer bench --config $(CONFIG) $(ARGS)
 
+# the overfit check's own config unless CONFIG is given
+OVERFIT_CONFIG = $(if $(filter command line environment,$(origin CONFIG)),$(CONFIG),configs/overfit.yaml)
 overfit: install
-	$(PY) -m data_prep --config configs/overfit.yaml $(ARGS)
-	$(PY) -m summarizer overfit --config configs/overfit.yaml $(ARGS)
+	$(PY) -m data_prep --config $(OVERFIT_CONFIG) $(ARGS)
+	$(PY) -m summarizer overfit --config $(OVERFIT_CONFIG) $(ARGS)
 
 smoke: install
 	$(PY) -m data_prep --config configs/tiny.yaml $(ARGS)

@@ -261,7 +261,11 @@ def test_each_input_mistake_of_the_second_round_is_one_clear_message(trained_run
     tmp, args = trained_run
     ckpt = tmp_path / "bare.pt"
     torch.save({"format_version": 2, "model": {}}, ckpt)
+    csv = tmp_path / "pairs.csv"
+    csv.write_text("source,target\nthe mayor opened a park,mayor opens park\n")
     cases = {
+        "pairs.csv:1: malformed JSON: Expecting value at column 1: a pairs file is JSON Lines (.jsonl": [
+            "eval", *args, f"eval.pairs={csv}", f"eval.out_dir={tmp_path / 'e0'}"],
         "eval.beam_size": ["eval", *args, "eval.beam_size=200", f"eval.out_dir={tmp_path / 'e1'}"],
         "is a directory: give a .pt file": ["eval", *args, f"eval.checkpoint={tmp / 'run'}",
                                             f"eval.out_dir={tmp_path / 'e2'}"],

@@ -49,6 +49,9 @@ def read_pairs_file(path: str | Path, need_target: bool = True) -> list[dict]:
             continue
         record = parse_record(raw)
         if isinstance(record, str):
+            if not pairs:  # its first line: likely not a pairs file at all (CSV, plain text)
+                raise DataError(f"{path}:{number}: {record}: a pairs file is JSON Lines (.jsonl, or .jsonl.gz), one "
+                                f"object with 'source' and 'target' texts a line")
             raise DataError(f"{path}:{number}: {record}: fix or remove that line")
         refs = record.get("references") or ([record["target"]] if isinstance(record.get("target"), str) else [])
         if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
