@@ -24,6 +24,7 @@ from summarizer.data.prepared import load_split, open_tokenizer, read_meta, read
 from summarizer.decode.lexicon import lexicon
 from summarizer.decode.quantize import decoding_form, decoding_precision, resolve_quantize
 from summarizer.decode.search import decode_all
+from summarizer.errors import ConfigError
 from summarizer.evaluation.scoring import rouge_report
 from summarizer.model import checkpoint
 from summarizer.outputs import atomic_write
@@ -32,8 +33,15 @@ from summarizer.train.session import build
 
 
 def weights(cfg: Config) -> Path:
-    """The checkpoint the decoding rows decode with: bench.checkpoint, else the run's best.pt."""
-    return Path(cfg.bench.checkpoint) if cfg.bench.checkpoint else cfg.run_dir / checkpoint.BEST
+    """The checkpoint the decoding rows decode with: bench.checkpoint (refused if it is not a file: a fresh model
+    would be timed and scored in its place), else the run's best.pt."""
+    if not cfg.bench.checkpoint:
+        return cfg.run_dir / checkpoint.BEST
+    path = Path(cfg.bench.checkpoint)
+    if not path.is_file():
+        raise ConfigError(f"bench.checkpoint={path} is not a file: give a checkpoint (.pt), or leave it empty to "
+                          f"decode with the run's best.pt")
+    return path
 
 
 def _model(cfg: Config, rt: runtime.Runtime, quantize: str = "none"):

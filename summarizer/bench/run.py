@@ -166,7 +166,8 @@ def run_bench(cfg: Config) -> list[dict]:
     unknown = [n for n in wanted if n not in table and n not in NOT_HERE and n not in AFTER_ROWS]
     if unknown:
         from summarizer.errors import ConfigError
-        raise ConfigError(f"unknown bench rows {unknown}; choose from {sorted(set(table) | set(NOT_HERE))}")
+        raise ConfigError(f"unknown bench rows {unknown}; choose from "
+                          f"{sorted(set(table) | set(NOT_HERE) | set(AFTER_ROWS))}")
     results = []
     for name in wanted:
         if results:  # the rows measured so far, kept should the bench be stopped or killed before its end

@@ -229,7 +229,7 @@ class BenchConfig:
     steps: int = key(10, above=0)  # optimizer steps per measured repeat
     find_batch_tokens: bool = True
     max_batch_tokens: int = key(262_144, above=0)
-    rows: list = field(default_factory=list)  # practices to run; [] = all (names: `python -m summarizer bench`)
+    rows: list = field(default_factory=list)  # practices to run; [] = all (a wrong name is told them all)
     decode_sentences: int = key(500, above=0)  # test sources the decoding rows decode (KV-cache row: first 64)
     checkpoint: str = ""  # weights the decoding rows decode with; "" = the run's best.pt (a fresh model if none)
 

@@ -82,9 +82,16 @@ def test_batch_search_doubles_then_bisects(cfg):
     assert "max_batch_tokens" in markdown(results)
 
 
-def test_unknown_row_is_refused(cfg):
+def test_unknown_row_is_refused_with_every_name(cfg):
     cfg.bench.rows = ["wrokers"]
-    with pytest.raises(ConfigError, match="unknown bench rows"):
+    with pytest.raises(ConfigError, match="unknown bench rows") as refused:
+        run_bench(cfg)
+    assert all(f"'{name}'" in str(refused.value) for name in ("workers", "decode_file", "decode_profile"))
+
+
+def test_a_bench_checkpoint_that_is_not_a_file_is_refused_not_replaced_by_a_fresh_model(cfg, tmp_path):
+    cfg.bench.rows, cfg.bench.checkpoint = ["decode_greedy"], str(tmp_path / "nope.pt")
+    with pytest.raises(ConfigError, match=r"bench.checkpoint=.*nope.pt is not a file"):
         run_bench(cfg)
 
 
