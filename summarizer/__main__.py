@@ -50,8 +50,13 @@ def run(args: argparse.Namespace) -> int:
         stages = load_stages(args.config, args.overrides)
         summary = train_stages(stages)
         if summary is None:
+            from summarizer.model import checkpoint
+            run_dir = stages[-1][1].run_dir
+            scores = "`make eval` scores best.pt" if (run_dir / checkpoint.BEST).is_file() else (
+                f"it holds no best.pt (no validation ran); eval.checkpoint={checkpoint.latest_path(run_dir)} "
+                f"scores its last weights")
             print(f"{'every stage of the recipe is' if len(stages) > 1 else 'the run is'} finished: nothing to "
-                  f"train; `make eval` scores best.pt")
+                  f"train; {scores}")
             return 0
         best = summary["best"]
         best = "n/a" if best is None else f"{best['metric']} {best['value']:.4g}"

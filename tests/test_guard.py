@@ -99,7 +99,12 @@ def test_a_final_validation_a_signal_cut_short_is_done_by_the_next_run(tiny_data
     monkeypatch.setattr(train_mod, "validate", real_validate)
     assert main(args) == 0
     assert [r["step"] for r in records(tmp_path / "run", "valid")] == [10]
-    assert main(args) == 0 and "the run is finished: nothing to train" in capsys.readouterr().out
+    assert main(args) == 0 and "the run is finished: nothing to train; `make eval` scores best.pt" in \
+        capsys.readouterr().out
+    (tmp_path / "run" / "best.pt").unlink()  # a run stopped, then ended by a lower max_steps, validated nowhere
+    assert main(args) == 0
+    assert f"it holds no best.pt (no validation ran); eval.checkpoint={tmp_path / 'run' / 'ckpt_00000010.pt'} " \
+        f"scores its last weights" in capsys.readouterr().out
 
 
 def test_a_second_signal_exits_at_once(tiny_data, tmp_path, monkeypatch, capsys):
