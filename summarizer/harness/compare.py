@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -57,6 +58,27 @@ def read_predictions(path: str | Path, role: str) -> tuple[Path, list[str]]:
         raise CompareError(f"{role} {path} is empty: it should hold one summary per line, one per reference pair")
     lines = text.split("\n")
     return path, lines[:-1] if text.endswith("\n") else lines
+
+
+def _stem(name: str) -> str:
+    """A pairs file's or split's name without .gz and .jsonl: what an evaluation and a --ref are matched by."""
+    name = Path(name).name
+    return name.removesuffix(".gz").removesuffix(".jsonl")
+
+
+def decoded_from(predictions: Path) -> str | None:
+    """The split or pairs file an eval output dir's predictions were decoded from (its rouge.json), if known."""
+    try:
+        settings = json.loads((predictions.parent / "rouge.json").read_text()).get("settings", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    name = settings.get("pairs_file") or settings.get("split")
+    return _stem(name) if isinstance(name, str) and name else None
+
+
+def reference_name(ref: str) -> str:
+    """--ref's split (DATA_DIR:SPLIT) or pairs file, named as `decoded_from` names it."""
+    return _stem(ref if Path(ref).is_file() else ref.rsplit(":", 1)[-1])
 
 
 def read_references(ref: str) -> tuple[str, list[list[str]]]:
@@ -134,6 +156,12 @@ def compare(a: str, b: str, ref: str, out_dir: str | Path = ".", samples: int = 
     if len(preds_a) != len(references):
         raise CompareError(f"A {path_a} and B {path_b} have {len(preds_a)} lines but references {where} hold "
                            f"{len(references)} pairs: compare predictions of the same split (eval.limit?)")
+    for role, path in (("A", path_a), ("B", path_b)):
+        source = decoded_from(path)
+        if source is not None and source != reference_name(ref):
+            print(f"warning: {role} {path} was decoded from {source} (its rouge.json), but --ref {ref} is "
+                  f"{reference_name(ref)}: its scores mean something only against the references it summarises",
+                  file=sys.stderr, flush=True)
     out = Path(out_dir) / OUTPUT
     if out.resolve() in {path_a.resolve(), path_b.resolve(), Path(where).resolve()}:
         raise CompareError(f"output {out} is one of the inputs; choose another --out")

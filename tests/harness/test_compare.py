@@ -100,6 +100,25 @@ def test_eval_output_dir_is_accepted(systems, tmp_path):
     assert report["b"] == str(tmp_path / "run" / "predictions.txt")
 
 
+def test_an_evaluation_compared_against_references_of_another_split_is_warned_of(systems, tiny_prepared, tmp_path,
+                                                                                    capsys):
+    """Two splits of the same size line up pair for pair, so nothing else would tell: rouge.json says which split
+    the predictions summarise."""
+    _, good, bad, _ = systems
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "predictions.txt").write_text(good.read_text())
+    (run / "rouge.json").write_text(json.dumps({"settings": {"split": "test", "pairs_file": None}}))
+    for ref in (f"{tiny_prepared}:test", str(tiny_prepared / "test.jsonl"), str(TINY / "test.jsonl")):
+        compare(str(bad), str(run), ref, tmp_path / "same", samples=10)
+        assert "warning" not in capsys.readouterr().err
+    other = tmp_path / "valid.jsonl"  # another split, as many pairs
+    other.write_text((tiny_prepared / "test.jsonl").read_text())
+    compare(str(bad), str(run), str(other), tmp_path / "other", samples=10)
+    assert f"warning: B {run / 'predictions.txt'} was decoded from test (its rouge.json), but --ref " in \
+        capsys.readouterr().err
+
+
 def test_line_count_mismatch_names_both_files(systems, tmp_path, capsys):
     from summarizer.__main__ import main
     _, good, _, _ = systems
