@@ -264,6 +264,9 @@ def test_each_input_mistake_of_the_second_round_is_one_clear_message(trained_run
     csv = tmp_path / "pairs.csv"
     csv.write_text("source,target\nthe mayor opened a park,mayor opens park\n")
     cases = {
+        f"prepared data dir {tmp_path / 'nodata'} does not exist: prepare it with this command's config and "
+        f"overrides: make prep CONFIG=FILE ARGS=\"data.dir={tmp_path / 'nodata'} ...\"": [
+            "eval", *args, f"data.dir={tmp_path / 'nodata'}"],
         "pairs.csv:1: malformed JSON: Expecting value at column 1: a pairs file is JSON Lines (.jsonl": [
             "eval", *args, f"eval.pairs={csv}", f"eval.out_dir={tmp_path / 'e0'}"],
         "eval.beam_size": ["eval", *args, "eval.beam_size=200", f"eval.out_dir={tmp_path / 'e1'}"],
@@ -273,6 +276,8 @@ def test_each_input_mistake_of_the_second_round_is_one_clear_message(trained_run
                                               f"eval.out_dir={tmp_path / 'e3'}"],
         "lacks config, data_meta": ["eval", *args, f"eval.checkpoint={ckpt}", f"eval.out_dir={tmp_path / 'e4'}"],
         "quote it to keep it text: run.name='2024'": ["eval", *args, "run.name=2024"],
+        "override 'configs/tiny.yaml' must look like key.sub=value (a config file is given as --config "
+        "configs/tiny.yaml)": ["eval", *args, "configs/tiny.yaml"],
         "data.splits.valid must be a list": ["eval", *args, "data.splits={train: [train], valid: }"],
         "model.max_positions (512) is shorter": ["eval", *args, "eval.max_len=600"],
     }

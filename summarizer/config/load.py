@@ -95,7 +95,8 @@ def parse_override(text: str, cfg: Config | None = None) -> dict:
     current mapping; naming the field itself (`data.splits={...}`) replaces the whole mapping.
     """
     if "=" not in text:
-        raise ConfigError(f"override '{text}' must look like key.sub=value")
+        config = f" (a config file is given as --config {text})" if text.endswith((".yaml", ".yml")) else ""
+        raise ConfigError(f"override '{text}' must look like key.sub=value{config}")
     key, raw = text.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""

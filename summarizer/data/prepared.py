@@ -15,7 +15,11 @@ from summarizer.data.tokenizer import UNK_WORD, Tokenizer
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 SPM_FILE = "spm.model"
-_PREP_HINT = "run `make prep CONFIG=...` (python -m data_prep --config FILE) to prepare it"
+
+
+def _prep_hint(data_dir: Path) -> str:
+    return (f"prepare it with this command's config and overrides: make prep CONFIG=FILE ARGS=\"data.dir={data_dir} "
+            f"...\" (python -m data_prep --config FILE data.dir={data_dir} ...)")
 
 
 class SplitArrays(NamedTuple):
@@ -44,8 +48,9 @@ def check_data_settings(cfg: DataConfig, meta: dict) -> None:
     wrong = [f"data.{k}={getattr(cfg, k)!r} (prepared with {v!r})" for k, v in recorded.items()
              if v is not None and getattr(cfg, k) != v]
     if wrong:
-        raise ConfigError(f"{'; '.join(wrong)} contradicts the prepared data in {cfg.dir}, which is applied as it was "
-                          f"prepared: drop the override, or prepare a new data.dir with it")
+        raise ConfigError(f"{'; '.join(wrong)} contradicts the prepared data in data.dir={cfg.dir}, which is applied "
+                          f"as it was prepared: point data.dir at data prepared with this config, set those keys (in "
+                          f"the config or an override) to the prepared values, or prepare a new data.dir with them")
 
 
 # Keys only prep reads (what it kept, how it trained the vocabulary): a run takes them from the data it reads
@@ -88,16 +93,16 @@ def read_meta(data_dir: str | Path) -> dict:
     data_dir = Path(data_dir)
     path = data_dir / META_FILE
     if not data_dir.is_dir():
-        raise DataError(f"prepared data dir {data_dir} does not exist: {_PREP_HINT}")
+        raise DataError(f"prepared data dir {data_dir} does not exist: {_prep_hint(data_dir)}")
     if not path.is_file():
-        raise DataError(f"{data_dir} has no {META_FILE} (not prepared, or prep was interrupted): {_PREP_HINT}")
+        raise DataError(f"{data_dir} has no {META_FILE} (not prepared, or prep was interrupted): {_prep_hint(data_dir)}")
     try:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise DataError(f"{path} is not valid JSON ({exc}): delete it and {_PREP_HINT}") from None
+        raise DataError(f"{path} is not valid JSON ({exc}): delete it and {_prep_hint(data_dir)}") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{path} has format_version {meta.get('format_version')!r}, this code reads "
-                        f"{FORMAT_VERSION}: delete {data_dir} and {_PREP_HINT}")
+                        f"{FORMAT_VERSION}: delete {data_dir} and {_prep_hint(data_dir)}")
     return meta
 
 
@@ -118,7 +123,7 @@ def load_split(data_dir: str | Path, split: str) -> SplitArrays:
         path = data_dir / files[role]
         if not path.is_file():
             raise DataError(f"{path} is missing although meta.json lists split '{split}': "
-                            f"delete {data_dir / META_FILE} and {_PREP_HINT}")
+                            f"delete {data_dir / META_FILE} and {_prep_hint(data_dir)}")
         arrays[role] = np.load(path, mmap_mode="r")
     return SplitArrays(**arrays)
 
@@ -150,7 +155,7 @@ def open_tokenizer(data_dir: str | Path, meta: dict | None = None) -> Tokenizer:
     tokenizer = Tokenizer(data_dir / meta["spm_model"])
     if tokenizer.sha256 != meta["spm_sha256"]:
         raise DataError(f"{data_dir / meta['spm_model']} does not match the sha256 in meta.json "
-                        f"(the model was replaced after prep): delete {data_dir} and {_PREP_HINT}")
+                        f"(the model was replaced after prep): delete {data_dir} and {_prep_hint(data_dir)}")
     return tokenizer
 
 
