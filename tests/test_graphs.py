@@ -177,6 +177,19 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on(tiny_data, cap
     assert not run.graphs and not run.capture
     for a, b in zip(model_e.parameters(), model_g.parameters(), strict=True):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert torch.cuda.current_stream(rt.device) == torch.cuda.default_stream(rt.device)  # its own stream back
+
+
+@CUDA
+def test_a_capture_that_fails_gives_the_thread_its_stream_back():
+    """torch ends a capture before it restores the thread's stream: one that fails would leave the capture
+    stream current, and the eager steps after it unordered with the batches' copies on the thread's stream."""
+    device = torch.device("cuda", 0)
+    x, side = torch.ones(3, device=device), runtime.side_stream(device)
+    with pytest.raises(RuntimeError):
+        with runtime.graph_capture(torch.cuda.CUDAGraph(), device, side):
+            x.sum().item()  # a read back: forbidden while capturing
+    assert torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
 
 
 @CUDA

@@ -135,7 +135,7 @@ def test_a_static_step_reads_nothing_back_and_updates_its_tensors_in_place(tiny_
 
 class FakeGraphs:
     """torch.cuda's graph capture as `Replayed.run` calls it, on a CPU: each call of a step is logged as a warm-up
-    (on the side stream), a capture (the step's code run inside `torch.cuda.graph`), a replay or an eager call;
+    (on the side stream), a capture (the step's code run inside `runtime.graph_capture`), a replay or an eager call;
     `fail` captures raise as a failed capture does."""
 
     def __init__(self, monkeypatch):
@@ -147,7 +147,7 @@ class FakeGraphs:
                 fake.log.append("replay")
 
         @contextlib.contextmanager
-        def graph(_graph, capture_error_mode):
+        def graph(_graph, _device):
             fake.capturing = True
             try:
                 yield
@@ -162,7 +162,7 @@ class FakeGraphs:
             return run()
 
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-        monkeypatch.setattr(torch.cuda, "graph", graph)
+        monkeypatch.setattr(runtime, "graph_capture", graph)
         monkeypatch.setattr(torch.cuda, "device", lambda _device: contextlib.nullcontext())
         monkeypatch.setattr(runtime, "on_side_stream", on_side_stream)
         monkeypatch.setattr(Replayed, "ready", threading.local())  # no capture in this process yet

@@ -94,8 +94,7 @@ class Replayed:
             return runtime.on_side_stream(self.device, self._run)
         try:
             graph = torch.cuda.CUDAGraph()
-            with Replayed.capturing, torch.cuda.device(self.device), \
-                    torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with Replayed.capturing, torch.cuda.device(self.device), runtime.graph_capture(graph, self.device):
                 self.out = self._run()
         except RuntimeError as exc:  # nothing ran during the capture
             if self.calls < self.warmup:  # not warmed up: this step warms up, as a thread's first capture does

@@ -7,6 +7,7 @@ from summarizer.runtime.device import (
     cpu_has_fast_bf16,
     device_tensor,
     eval_mode,
+    graph_capture,
     make_scaler,
     move,
     move_batch,
@@ -21,6 +22,6 @@ from summarizer.runtime.device import (
 from summarizer.runtime.distributed import all_gather_object, all_reduce_sum, compile_model, teardown, unwrap, wrap_ddp
 
 __all__ = ["LateRead", "Runtime", "all_gather_object", "all_reduce_sum", "compile_model", "cpu_has_fast_bf16",
-           "device_tensor", "eval_mode", "make_scaler", "move", "move_batch", "on_side_stream", "resolve_device",
-           "resolve_precision", "seed_everything", "set_cpu_kernel_cache", "setup", "side_stream", "teardown",
-           "unwrap", "wrap_ddp"]
+           "device_tensor", "eval_mode", "graph_capture", "make_scaler", "move", "move_batch", "on_side_stream",
+           "resolve_device", "resolve_precision", "seed_everything", "set_cpu_kernel_cache", "setup", "side_stream",
+           "teardown", "unwrap", "wrap_ddp"]

@@ -120,6 +120,18 @@ def on_side_stream(device: torch.device, run):
     return out
 
 
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, device: torch.device, stream: torch.cuda.Stream | None = None,
+                  pool=None):
+    """torch.cuda.graph(graph, ...) on `device`, capturing only this thread's calls (capture_error_mode=
+    "thread_local": another thread's work goes on), that gives the thread its stream back when the capture fails:
+    torch's exit ends the capture before it restores the stream, so a capture that raises would leave the capture
+    stream current, and every later kernel of the thread unordered with the work queued on its own stream."""
+    with torch.cuda.stream(torch.cuda.current_stream(device)), \
+            torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        yield
+
+
 def device_tensor(values, device: torch.device) -> Tensor:
     """Python numbers as a tensor on `device`, queued behind the device's work rather than waiting for it:
     `torch.tensor(x, device="cuda")` copies from pageable memory and then waits for the whole queue to drain; a copy

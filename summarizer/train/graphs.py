@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from summarizer.config.schema import TrainConfig
-from summarizer.runtime import Runtime, on_side_stream, side_stream
+from summarizer.runtime import Runtime, graph_capture, on_side_stream, side_stream
 
 INPUTS = ("src_ids", "tgt_in", "tgt_out")  # the batch's tensors the step reads
 OUTPUTS = ("loss_sum", "nll_sum", "grad_norm", "finite")
@@ -113,8 +113,7 @@ class StepGraphs:
         side.wait_stream(torch.cuda.current_stream(self.device))
         made = set(optimizer.state)
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=side,
-                                  capture_error_mode="thread_local"):  # DataLoader's pinning thread goes on
+            with graph_capture(graph, self.device, side, self.pool):  # DataLoader's pinning thread goes on
                 outputs = self._captured_step(model, optimizer, scaler, {**batch, **inputs}, rt, cfg)
         finally:  # a capture that failed too: what it made was never run, so eager steps must not find it
             for p in model.parameters():
