@@ -429,6 +429,9 @@ def test_runs_sharing_a_name_do_not_share_tensorboard_curves(tiny_data, tmp_path
     train_mod.train(make_cfg(tiny_data, tmp_path / "a", "train.max_steps=2", f"run.tensorboard_dir={tmp_path}/tb"))
     with pytest.raises(ConfigError, match="holds the events of run .*/a, not of .*/b: give this run its own run.name"):
         train_mod.train(make_cfg(tiny_data, tmp_path / "b", "train.max_steps=2", f"run.tensorboard_dir={tmp_path}/tb"))
+    # refused, it let go of its run dir: the same process trains it with a dir of its own
+    assert train_mod.train(make_cfg(tiny_data, tmp_path / "b", "train.max_steps=2",
+                                    f"run.tensorboard_dir={tmp_path}/tb_b"))["steps"] == 2
 
 
 def test_resuming_on_data_with_another_tokenizer_is_refused(tiny_data, tmp_path):

@@ -244,8 +244,9 @@ def open_session(cfg: Config) -> Session:
     if rt.is_main:
         claim_dir(cfg.run_dir, "run", "run.dir", also=("overfit",))
         lock = hold_lock(cfg.run_dir, "run.dir")  # held until the run's process ends: one run per run dir
-        claim_events_dir(cfg.tensorboard_dir, cfg.run_dir)
     try:
+        if rt.is_main:
+            claim_events_dir(cfg.tensorboard_dir, cfg.run_dir)
         return _session(cfg, rt, meta, tokenizer, init, lock)
     except BaseException:  # refused (a resume's changed settings) or failed: the run dir is free again
         if lock is not None:
