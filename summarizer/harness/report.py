@@ -121,8 +121,12 @@ def _rouge(run_dir: Path, records: list[dict]) -> dict:
     valid = [r for r in records if r.get("split") == "valid" and r.get("rouge1") is not None]
     if not valid:
         return {"rouge_from": None}
-    # Only ROUGE measured as the last was (a run resumed with other eval settings re-scores best.pt under them)
-    valid = [r for r in valid if r.get("rouge_settings") == valid[-1].get("rouge_settings")]
+    # Only ROUGE measured as the last was (a run resumed with other eval settings re-scores best.pt under them); a
+    # record that predates the naming of settings is taken as the last's, unless a re-score came after it
+    last, rescored = valid[-1].get("rouge_settings"), max((i for i, r in enumerate(valid) if "best_step" in r),
+                                                          default=-1)
+    valid = [r for i, r in enumerate(valid)
+             if r.get("rouge_settings", last if i > rescored else None) == last]
     scored = [(r["step"], {kind: r.get(kind) for kind in ROUGE_TYPES}) for r in valid]
     scored += [(r["best_step"], {kind: r.get(f"best_{kind}") for kind in ROUGE_TYPES}) for r in valid
                if "best_step" in r]

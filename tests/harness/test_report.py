@@ -147,3 +147,10 @@ def test_a_run_resumed_with_other_rouge_settings_reports_its_best_among_rouge_me
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     [row] = collect([str(run)])
     assert (row["valid_step"], row["rouge1"]) == (400, 24.0)
+    for record in records[:2]:  # written before records named their settings: alike, until a re-score says not
+        del record["rouge_settings"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert collect([str(run)])[0]["valid_step"] == 400
+    del records[2]["best_step"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert (collect([str(run)])[0]["valid_step"], collect([str(run)])[0]["rouge1"]) == (200, 35.0)
