@@ -27,6 +27,8 @@ from summarizer.model.transformer import DecoderOutput
     ("stocks up #.# percent ; dollar at ###.## yen", "Stocks rose #.# percent, and the dollar was at ###.## yen.",
      "Stocks up #.# percent; dollar at ###.## yen"),
     ("oil costs $ ## a barrel", "Oil cost $## a barrel.", "Oil costs $## a barrel"),
+    ("# metoo rally draws thousands", "A #MeToo rally drew thousands.", "#MeToo rally draws thousands"),  # no mask
+    ("federer ranked # 1 again", "Federer is ranked #1 in the world again.", "Federer ranked #1 again"),
 ])
 def test_case_punctuation_and_digits_come_back_from_the_source(summary, source, expected):
     assert readable(summary, source) == expected

@@ -48,9 +48,12 @@ def readable(summary: str, source: str) -> str:
         if not _UNKNOWN.search(word):
             word = PTB_BRACKETS.get(word, word)
             out.append(cased.get(word, word))
-    # the detokenizer joins "#" to the next word ("# 1" -> "#1"): a masked number stays a word of its own
-    held = {_HELD.format(i): word for i, word in enumerate(out) if _MASKED.match(word)}
-    text = _treebank()[1].detokenize([_HELD.format(i) if _MASKED.match(w) else w for i, w in enumerate(out)])
+    # the detokenizer joins "#" to the next word ("# 1" -> "#1", "# metoo" -> "#metoo"): a number the data masked
+    # stays a word of its own, unless the source joins it to one
+    apart = {i for i, word in enumerate(out)
+             if _MASKED.match(word) and not re.search(rf"(?<![#\w]){re.escape(word)}\w", source)}
+    held = {_HELD.format(i): out[i] for i in apart}
+    text = _treebank()[1].detokenize([_HELD.format(i) if i in apart else w for i, w in enumerate(out)])
     for mark, word in held.items():
         text = text.replace(mark, word)
     return text[:1].upper() + text[1:]
