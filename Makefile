@@ -15,7 +15,7 @@ TB_PORT ?= 6006
 help:
 	@echo "make install | check | test | prep | train | eval | summarize | overfit | smoke | bench | tensorboard | clean"
 	@echo "  CONFIG=$(CONFIG)  ARGS='key.sub=value ...'"
-	@echo "make compare A=PRED_A B=PRED_B REF=PAIRS_OR_SPLIT [OUT=DIR] | average N=5 | seeds N=3 | report [DIRS='dir ...'] [CSV=1]"
+	@echo "make compare A=PRED_A B=PRED_B REF=PAIRS_OR_SPLIT [OUT=DIR] | average [N=all kept] | seeds N=3 | report [DIRS='dir ...'] [CSV=1]"
 
 install: $(VENV)/.installed
 
@@ -81,7 +81,7 @@ compare: install
 	$(PY) -m summarizer compare $(A) $(B) --ref $(REF) --out $(or $(OUT),.)
 
 average: install
-	$(PY) -m summarizer average --config $(CONFIG) --last $(or $(N),5) $(ARGS)
+	$(PY) -m summarizer average --config $(CONFIG) $(if $(N),--last $(N)) $(ARGS)
 
 seeds: install
 	$(PY) -m summarizer seeds --config $(CONFIG) --n $(or $(N),3) $(ARGS)

@@ -67,15 +67,18 @@ def average_states(paths: list[Path]) -> tuple[dict, dict]:
     return averaged, newest
 
 
-def average_checkpoints(cfg: Config, last: int) -> tuple[Path, list[int]]:
-    """Write <run_dir>/averaged_last<N>.pt, the mean of the newest N ckpt_*.pt, loadable by eval.checkpoint;
-    returns its path and the averaged steps."""
+def average_checkpoints(cfg: Config, last: int | None = None) -> tuple[Path, list[int]]:
+    """Write <run_dir>/averaged_last<N>.pt, the mean of the newest N ckpt_*.pt (None: every one the run kept),
+    loadable by eval.checkpoint; returns its path and the averaged steps."""
     run_dir = cfg.run_dir
-    if last < 1:
+    if last is not None and last < 1:
         raise CheckpointError(f"--last must be at least 1, got {last}")
     if not run_dir.is_dir():
         raise CheckpointError(f"run dir {run_dir} does not exist: set run.name (or run.dir) to a trained run")
     found = checkpoints_by_step(run_dir)
+    if not found:
+        raise CheckpointError(f"{run_dir} holds no step checkpoint (ckpt_*.pt) to average: train the run first")
+    last = len(found) if last is None else last
     if len(found) < last:
         raise CheckpointError(f"{run_dir} holds {len(found)} step checkpoint(s) (ckpt_*.pt), fewer than the "
                               f"{last} asked for: lower --last (N), or train with train.keep_last={last} or more "
@@ -91,7 +94,8 @@ def average_checkpoints(cfg: Config, last: int) -> tuple[Path, list[int]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML experiment file (see configs/)")
-    parser.add_argument("--last", type=int, required=True, metavar="N", help="average the newest N ckpt_*.pt")
+    parser.add_argument("--last", type=int, metavar="N",
+                        help="average the newest N ckpt_*.pt (default: every one the run kept, train.keep_last)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides (run.name=...)")
 
 

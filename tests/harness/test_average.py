@@ -21,6 +21,8 @@ def trained(trained_run):
 def test_average_of_two_equals_the_hand_mean(trained, capsys):
     from summarizer.__main__ import main
     tmp, args = trained
+    assert main(["average", *args]) == 0  # every step checkpoint the run kept
+    assert "averaged steps 20, 30, 40 into" in capsys.readouterr().err
     assert main(["average", *args, "--last", "2"]) == 0
     out = tmp / "run" / "averaged_last2.pt"
     assert f"eval.checkpoint={out}" in capsys.readouterr().err
