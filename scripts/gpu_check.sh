@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU's check: training speed and loss per precision from a cold start, the bench's GPU rows, decoding per
 # precision and beam, model-parallel placement and DDP, configs/gigaword.yaml's model on synthetic pairs, and
-# profiles of training's first steps and of a decode.
+# profiles of training's first steps, of a decode and of gigaword.yaml's steps (captured and launched from Python).
 # Ends with one Markdown table (also OUT/gpu_check.md). At most 8 minutes on one H100 (GPU_CHECK_SECONDS): the parts
 # run in the order of what they decide (1, 3, 5, 2, 6, 4), and those the budget no longer reaches are listed as skipped.
 #   bash scripts/gpu_check.sh DATA_DIR         # DATA_DIR: prepared with configs/base.yaml
@@ -162,8 +162,8 @@ step 2 bench 270 "$PY" -m summarizer bench "${COMMON[@]}" run.name=gc_bench "run
   bench.find_batch_tokens=false
 
 # 6. Where the time goes, by torch.profiler: the first steps of a fresh run (new batch shapes) in fp32 and bf16,
-# launched from Python (profile.txt: operators by device time), and a beam-4 decode of the test split with the fp32
-# run's weights.
+# launched from Python (profile.txt: operators by device time), a beam-4 and a greedy decode of the test split with
+# the fp32 run's weights, and gigaword.yaml's model past its first epoch (below).
 PROFILE_STEPS=$((FEW > 20 ? 20 : FEW))
 for p in fp32 bf16; do
   step 6 "profile train $p" 90 "${TRAIN[@]}" "run.name=gc_profile_$p" "run.dir=$OUT/profile/train_$p" \
