@@ -4,6 +4,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from summarizer.decode.inference import truncate_bytes
+from summarizer.evaluation.scoring import rouge_report
+
 
 @pytest.fixture
 def trained_tiny(trained_run):
@@ -63,18 +66,24 @@ def test_eval_scores_a_pairs_file_of_raw_text_with_the_runs_normalisation(traine
     tmp, args = trained_tiny
     pairs = [{"source": "The Government of FRANCE said Monday it would cut fuel taxes by 12 percent .",
               "target": "France to cut fuel taxes", "references": ["France to cut fuel taxes", "French tax cut"]},
-             {"source": "Acme Corp shares fell 3.5 percent on Friday .", "target": "Acme shares fall"}]
+             {"source": "Acme Corp shares fell 3.5 percent on Friday .", "target": "Acme shares fall"},
+             {"source": "Fuel tax cuts are planned , France said .", "target": "French tax cut"}]
     path = tmp / "raw_pairs.jsonl.gz"
     path.write_bytes(gzip.compress("".join(json.dumps(p) + "\n" for p in pairs).encode()))
     assert main(["eval", *args, f"eval.pairs={path}", "eval.truncate_bytes=12", f"eval.out_dir={tmp / 'raw'}"]) == 0
     predictions = (tmp / "raw" / "predictions.txt").read_text().splitlines()
     report = json.loads((tmp / "raw" / "rouge.json").read_text())
-    assert len(predictions) == 2 and all(len(p.encode()) <= 12 for p in predictions)
+    assert len(predictions) == 3 and all(len(p.encode()) <= 12 for p in predictions)
     assert report["settings"]["pairs_file"] == str(path) and report["settings"]["measure"].startswith("recall")
     assert "references pooled" in report["settings"]["aggregation"]  # recall pools them, as ROUGE-1.5.5 -f A
     assert report["rouge1"]["r_ci"] is not None and 0 <= report["rouge1"]["r"] <= 100
     for key in ("nonword_rate", "repeat_rate", "words_per_prediction", "words_per_reference"):
         assert key in report
+    # lead-8 cut as the summaries are, to whole words ("Fuel tax"), not mid-word ("Fuel tax cut" of "cuts")
+    references = [p.get("references") or [p["target"]] for p in pairs]
+    whole, cut = (rouge_report([truncate_bytes(" ".join(p["source"].split()[:8]), 12, whole_words=whole)
+                                for p in pairs], references, 0, measure="r")["rouge1"]["r"] for whole in (True, False))
+    assert report["lead"]["lead-8"]["rouge1"] == pytest.approx(whole) and whole != pytest.approx(cut)
 
 
 @pytest.mark.parametrize("host_bf16", [False, True], ids=["fp32-host", "bf16-host"])

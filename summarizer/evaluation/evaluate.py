@@ -35,9 +35,12 @@ def score(cfg: Config, meta: dict, pairs: list[dict], predictions: list[str]) ->
     sources = [[words(normalize_as(p["source"], norm)), words(p["source"])]
                for p in pairs]
     report.update(quality(predictions, sources, references, training_words(cfg.data.dir)))
-    report["lead"] = {f"lead-{k}": {kind: v[measure] for kind, v in rouge_report(
-        [truncate_bytes(" ".join(p["source"].split()[:k]), e.truncate_bytes) for p in pairs], references, 0,
-        measure=measure).items() if kind.startswith("rouge")} for k in e.lead_baselines}
+
+    def lead(k: int) -> dict:  # the first k source words, cut as the summaries are (whole words within the bytes)
+        cut = [truncate_bytes(" ".join(p["source"].split()[:k]), e.truncate_bytes, whole_words=True) for p in pairs]
+        scores = rouge_report(cut, references, 0, measure=measure)
+        return {kind: v[measure] for kind, v in scores.items() if kind.startswith("rouge")}
+    report["lead"] = {f"lead-{k}": lead(k) for k in e.lead_baselines}
     return report
 
 
