@@ -131,7 +131,7 @@ def apply_cleaning(ds: Dataset, spec: FileSpec) -> tuple[Dataset, dict[str, int]
         for rule in spec.clean:
             field, pattern = CLEANING[rule]
             new = [pattern.sub("", text or "") for text in batch[field]]
-            changed[rule] += sum(a != b for a, b in zip(new, batch[field], strict=True))
+            changed[rule] += sum(a != (b or "") for a, b in zip(new, batch[field], strict=True))  # None: empty
             batch[field] = new
         batch["tag"] = [spec.tag] * len(batch["source"])
         return batch

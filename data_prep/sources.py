@@ -155,9 +155,10 @@ def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
 
 # Undecodable bytes become U+FFFD, so cleaning drops (and counts) just those pairs instead of the
 # whole file failing. The json builder only re-decodes when the encoding is not literally "utf-8";
-# "utf-8-sig" is the same codec and also tolerates a leading byte-order mark.
+# "utf-8-sig" is the same codec and also tolerates a leading byte-order mark. A CSV cell is text as written:
+# pandas would read "NA", "null", "None", "nan" and the like as missing, and such headlines be dropped as empty.
 _DECODE = {"json": {"encoding": "utf-8-sig", "encoding_errors": "replace"},
-           "csv": {"encoding": "utf-8-sig", "encoding_errors": "replace"},
+           "csv": {"encoding": "utf-8-sig", "encoding_errors": "replace", "na_filter": False},
            "text": {"encoding": "utf-8-sig", "encoding_errors": "replace"}}
 
 
@@ -172,6 +173,8 @@ def _load_builder(builder: str, path: Path, cache_dir: Path, fresh: bool) -> Dat
         ds = datasets.load_dataset(builder, data_files={"data": str(path)}, split="data", cache_dir=str(cache_dir),
                                    **again, **_DECODE[builder])
     except Exception as exc:  # datasets wraps parser errors and does not say which line
+        if not any(raw.strip() for _, raw in numbered_lines(path)):  # blank lines, or a gzip of nothing
+            raise DataError(f"{path} holds no rows: remove it or fill it with pairs") from None
         bad = _first_bad_json_line(path) if builder == "json" else None
         if bad:
             raise DataError(f"{path}:{bad[0]}: {bad[1]}: fix or remove that line") from None

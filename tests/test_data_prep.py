@@ -1,6 +1,9 @@
 """Tests for data_prep and summarizer/data/prepared.py: readers, splits, cleaning, arrays, meta, idempotency, errors."""
+import gzip
 import hashlib
 import json
+import re
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -351,6 +354,31 @@ def test_bad_inputs_raise_clear_data_errors(tmp_path, source, pattern):
     with pytest.raises(DataError, match=pattern):
         prepare(data_config(tmp_path / "prep", f"data.source={source}"))
     assert not (tmp_path / "prep" / "meta.json").exists()
+
+
+@pytest.mark.parametrize("name, content", [("blank.jsonl", b"\n  \n\n"), ("nothing.jsonl.gz", gzip.compress(b""))])
+def test_a_split_file_without_rows_is_named_so(tmp_path, name, content):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError, match=rf"{re.escape(name)} holds no rows: remove it or fill it with pairs"):
+        prepare(data_config(tmp_path / "prep", f"data.source={{train: [{tmp_path / name}]}}"))
+
+
+def test_csv_headlines_that_read_as_missing_values_are_kept_as_text(tmp_path):
+    """pandas reads "NA", "null", "None" and "nan" as missing: as headlines they are words."""
+    source = tmp_path / "src"
+    source.mkdir()
+    rows = [f"the council voted on item {i} of the budget today .,{word}" for i, word in
+            enumerate(["NA", "null", "None", "nan", "budget vote"] * 8)]
+    (source / "train.csv").write_text("source,target\n" + "\n".join(rows) + "\n")
+    splits, _ = _load(tmp_path, f"data.source={source}", "data.splits={train: [train]}", "data.valid_holdout=0")
+    assert len(splits["train"]) == 40 and {"NA", "null", "None", "nan"} <= set(splits["train"]["target"])
+
+
+def test_cleaning_counts_only_the_pairs_a_rule_changed():
+    from data_prep.mix import FileSpec, apply_cleaning
+    ds = datasets.Dataset.from_dict({"source": ["a", "b", "c"], "target": [None, None, "headline (AP)"]})
+    _, changed = apply_cleaning(ds, FileSpec(path=Path("x.jsonl"), clean=("agency_suffix",)))
+    assert changed == {"agency_suffix": 1}
 
 
 def test_cli_prints_error_line_and_exits_2(tmp_path, capsys):
