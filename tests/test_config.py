@@ -16,6 +16,8 @@ def test_defaults_then_yaml_then_overrides(tmp_path):
     assert cfg.data.splits == {"train": ["train", "valid"]}  # a whole mapping replaces
     assert cfg.train.betas == [0.9, 0.99]
     assert cfg.model.encoder_layers == 3  # untouched default
+    counts = load_config(None, ["train.max_steps=1e4", "train.warmup_steps=2.5e3"])  # whole numbers YAML 1.1 reads
+    assert (counts.train.max_steps, counts.train.warmup_steps) == (10_000, 2_500)     # as text: ints all the same
     edited = load_config(None, ["data.splits.test=[test_dev]"])  # one entry edits the mapping
     assert edited.data.splits["test"] == ["test_dev"] and edited.data.splits["train"] == ["train", "valid"]
 
@@ -25,6 +27,8 @@ def test_defaults_then_yaml_then_overrides(tmp_path):
     ("modle.d_model=1", "Did you mean 'model'"),
     ("train.lr=fast", "train.lr must be float"),
     ("train.max_steps=1.5", "train.max_steps must be int"),
+    ("train.max_steps=1.5e0", "train.max_steps must be int"),
+    ("train.max_steps=1.0e+4", r"train.max_steps must be int, got 10000.0 \(float\); write it as 10000"),
     ("system.deterministic=3", "system.deterministic must be bool"),
     ("train.precision=bf61", "Did you mean 'bf16'"),
     ("model.activation=rleu", "Did you mean 'relu'"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import sys
 import typing
@@ -39,23 +40,30 @@ def _moved(layer: dict, notice: bool = True) -> dict:
 
 
 def _coerce(value: Any, typ: Any, key: str) -> Any:
-    """Check `value` against the annotated type; ints may widen to floats, nothing else converts."""
+    """Check `value` against the annotated type; ints may widen to floats, and YAML 1.1's text for a number (`1e4`)
+    is one; nothing else converts."""
     origin = typing.get_origin(typ) or typ
     if typ is Any:
         return value
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if typ is float and isinstance(value, str):
-        # PyYAML follows YAML 1.1, where `3e-4` (no dot) is a string, not a float.
+    if typ in (float, int) and isinstance(value, str):
+        # PyYAML follows YAML 1.1, where `3e-4` and `1e4` (no dot) are strings, not numbers.
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
-            pass
+            number = None
+        if typ is float and number is not None:
+            return number
+        if number is not None and math.isfinite(number) and number.is_integer():  # train.max_steps=1e4
+            return int(number)
     if origin in (list, dict) and isinstance(value, origin):
         return value
     if isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
         return value
     hint = f"; quote it to keep it text: {key}='{value}'" if origin is str and isinstance(value, (int, float)) else ""
+    if origin is int and isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        hint = f"; write it as {int(value)}"
     raise ConfigError(
         f"{key} must be {getattr(origin, '__name__', origin)}, got {value!r} ({type(value).__name__}){hint}")
 
