@@ -52,8 +52,7 @@ def readable(summary: str, source: str) -> str:
     # stays a word of its own, unless the source joins it to one
     apart = {i for i, word in enumerate(out)
              if _MASKED.match(word) and not re.search(rf"(?<![#\w]){re.escape(word)}\w", source)}
-    held = {_HELD.format(i): out[i] for i in apart}
     text = _treebank()[1].detokenize([_HELD.format(i) if i in apart else w for i, w in enumerate(out)])
-    for mark, word in held.items():
-        text = text.replace(mark, word)
+    for i in apart:
+        text = text.replace(_HELD.format(i), out[i])
     return text[:1].upper() + text[1:]

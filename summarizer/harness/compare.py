@@ -156,12 +156,12 @@ def compare(a: str, b: str, ref: str, out_dir: str | Path = ".", samples: int = 
     if len(preds_a) != len(references):
         raise CompareError(f"A {path_a} and B {path_b} have {len(preds_a)} lines but references {where} hold "
                            f"{len(references)} pairs: compare predictions of the same split (eval.limit?)")
+    named = reference_name(ref)
     for role, path in (("A", path_a), ("B", path_b)):
         source = decoded_from(path)
-        if source is not None and source != reference_name(ref):
-            print(f"warning: {role} {path} was decoded from {source} (its rouge.json), but --ref {ref} is "
-                  f"{reference_name(ref)}: its scores mean something only against the references it summarises",
-                  file=sys.stderr, flush=True)
+        if source is not None and source != named:
+            print(f"warning: {role} {path} was decoded from {source} (its rouge.json), but --ref {ref} is {named}: "
+                  f"its scores mean something only against the references it summarises", file=sys.stderr, flush=True)
     out = Path(out_dir) / OUTPUT
     if out.resolve() in {path_a.resolve(), path_b.resolve(), Path(where).resolve()}:
         raise CompareError(f"output {out} is one of the inputs; choose another --out")
