@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from summarizer.config.load import load_config
 from summarizer.train.loop import train
@@ -165,3 +166,71 @@ def test_every_rank_resumes_its_own_random_streams(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["same"] for r in ranks] == [True, True]
     assert ranks[0]["alone"] == ranks[1]["alone"]  # both got rank 0's streams
+
+
+def _rank_trains(rank: int, world: int, port: int, overrides: list[str], signal_in: str, out_dir: str) -> None:
+    """One rank of a gloo run, as torchrun starts it; rank 1 sends itself SIGTERM in `signal_in`: "loss" (inside
+    validation, before its all-reduce) or "bookkeeping" (after validation's last check), or never ("")."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch
+
+    from summarizer.train import validation
+    torch.set_num_threads(1)
+    if rank == 1 and signal_in:
+        name = {"loss": "evaluate_loss", "bookkeeping": "improves"}[signal_in]
+        real = getattr(validation, name)
+
+        def signalled(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real(*args, **kwargs)
+
+        setattr(validation, name, signalled)
+    summary = train(load_config(ROOT / "configs/tiny.yaml", overrides))
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"steps": summary["steps"],
+                                                                 "signal": summary["signal"]}))
+
+
+def _train_two_ranks(run: Path, tiny_prepared: Path, signal_in: str = "") -> list[dict]:
+    """A 2-rank run of EXACT's settings with dropout (so every rank's random streams matter on resume): each
+    rank's summary. A run that has not ended in 300 s is a hang: killed, and the test fails."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    overrides = [f"data.dir={tiny_prepared}", f"run.dir={run}", f"run.tensorboard_dir={run.parent / 'tb' / run.name}",
+                 *EXACT, "model.dropout=0.1", "train.ckpt_every=100", "train.select_by=loss", "train.rouge_every=0"]
+    (out := run.parent / f"{run.name}_summaries").mkdir(exist_ok=True)
+    context = mp.start_processes(_rank_trains, args=(2, port, overrides, signal_in, str(out)), nprocs=2, join=False,
+                                 start_method="spawn")
+    deadline = time.time() + 300
+    try:
+        while not context.join(timeout=5):
+            assert time.time() < deadline, f"the ranks did not end (signal in {signal_in!r}): a hang"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signal_in, stopped_at", [("loss", 3), ("bookkeeping", 5)])
+def test_a_signal_to_one_rank_during_validation_stops_every_rank_at_one_step_and_resumes_exactly(
+        tiny_prepared, tmp_path, signal_in, stopped_at):
+    """A signal to one rank during validation's loss (its all-reduce ahead): every rank abandons the validation at
+    the check after it, together, and checkpoints the step with every rank's random streams; after validation's
+    last check: every rank finishes it, and the steps' Consensus stops them together two steps on. Either way no
+    rank is left waiting in a collective, and the resumed run logs what a run never stopped logs."""
+    reference = _train_two_ranks(tmp_path / "reference", tiny_prepared)
+    assert [r["steps"] for r in reference] == [6, 6]
+    cut = _train_two_ranks(tmp_path / "cut", tiny_prepared, signal_in)
+    assert cut == [{"steps": stopped_at, "signal": signal.SIGTERM}] * 2  # rank 0 adopted rank 1's signal
+    state = torch.load(tmp_path / "cut" / f"ckpt_{stopped_at:08d}.pt", weights_only=False)
+    owed = state["progress"].get("owed", {})
+    assert len(state["rng_by_rank"]) == 2 and owed.get("validate", False) == (signal_in == "loss")
+    assert [r["steps"] for r in _train_two_ranks(tmp_path / "cut", tiny_prepared)] == [6, 6]
+    for split in ("train", "valid"):
+        assert_same(records(tmp_path / "cut", split), records(tmp_path / "reference", split))

@@ -62,8 +62,8 @@ def test_a_stop_signal_during_a_step_checkpoints_that_step_without_validating(ti
 def test_a_stop_signal_during_validation_abandons_it_for_the_checkpoint(tiny_data, tmp_path, monkeypatch):
     finished = []
 
-    def long_validation(session, extra, rouge, abandonable):
-        with abandonable():
+    def long_validation(session, extra, rouge, stop):
+        with stop.interruptible():
             os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(600):  # a minute of ROUGE on a busy machine: the signal must not wait for it
                 time.sleep(0.1)
@@ -83,8 +83,8 @@ def test_a_final_validation_a_signal_cut_short_is_done_by_the_next_run(tiny_data
     the run says so and exits as stopped, and the same command then validates and finishes."""
     real_validate = train_mod.validate
 
-    def signalled_validation(session, extra, rouge, abandonable):
-        with abandonable():
+    def signalled_validation(session, extra, rouge, stop):
+        with stop.interruptible():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(60)
         return False
@@ -115,7 +115,7 @@ def test_a_second_signal_exits_at_once(tiny_data, tmp_path, monkeypatch, capsys)
         time.sleep(60)
         return real_save(*args)
 
-    def signalled_validation(session, extra, rouge, abandonable):
+    def signalled_validation(session, extra, rouge, stop):
         os.kill(os.getpid(), signal.SIGINT)
         return False
 
@@ -170,7 +170,7 @@ def test_a_worker_that_died_of_the_stop_signal_is_a_stop_not_an_out_of_memory(ti
     cfg = load_config(ROOT / "configs/tiny.yaml", overrides(tiny_data, tmp_path / "run", "train.max_steps=5"))
     session = open_session(cfg)
     try:
-        stop = guard.StopFlag()
+        stop = guard.StopFlag(session.rt)
         try:
             died = RuntimeError("DataLoader worker (pid(s) 123) exited unexpectedly")
             with pytest.raises(guard.TrainingAborted, match="out-of-memory killer"):
@@ -222,7 +222,7 @@ def test_a_run_dir_removed_while_training_ends_in_one_message_and_never_hangs(ti
 def test_a_run_dir_moved_away_stops_the_run_even_once_a_write_made_it_again(tiny_data, tmp_path, monkeypatch):
     """A moved dir keeps the open metrics file writable, and a checkpoint's write makes the dir again, empty:
     no write fails, so the run checks its ownership marker instead of training on into a dir not its own."""
-    def moving_validation(session, extra, rouge, abandonable):
+    def moving_validation(session, extra, rouge, stop):
         if session.progress["step"] == 5:
             (tmp_path / "run").rename(tmp_path / "moved")
             checkpoint.save(session.best_snapshot(), session.cfg.run_dir / checkpoint.BEST)  # makes run/ again
@@ -235,10 +235,12 @@ def test_a_run_dir_moved_away_stops_the_run_even_once_a_write_made_it_again(tiny
         train_mod.train(cfg)
 
 
-def test_a_checkpoint_only_one_rank_may_write_does_not_gather_the_ranks_streams(monkeypatch):
-    """Under DDP a checkpoint gathers every rank's random streams, a collective: only where every rank saves at that
-    step (its interval, the end, early stopping). A signal that came during this rank's validation makes this rank
-    alone save; gathering there would wait for ranks that never join."""
+def test_under_ddp_a_rank_stops_only_where_every_rank_knows_of_the_stop(monkeypatch):
+    """A signal to one rank is that rank's alone until the ranks sum their flags. Validation abandoned is known to
+    all (StopFlag.check, a collective): every rank checkpoints together, gathering every rank's random streams. A
+    signal after validation's last check is not: the rank goes on, and the next steps' Consensus stops every rank
+    (a rank stopping alone would leave the others waiting in the next step's all-reduce). Without DDP a signal
+    stops the run after the step it came in."""
     import types
 
     import summarizer.train.loop as loop_mod
@@ -247,28 +249,58 @@ def test_a_checkpoint_only_one_rank_may_write_does_not_gather_the_ranks_streams(
     monkeypatch.setattr(loop_mod, "check_run_dir", lambda session: None)
     monkeypatch.setattr(loop_mod, "save_now", lambda session, every_rank=True: saved.append(every_rank))
 
-    def signalled_validation(session, extra, rouge, interruptible):
-        stop.signum = 15
+    def abandoned_validation(session, extra, rouge, stop):
+        stop.signum = signal.SIGTERM  # another rank's, adopted at the check
         raise StopRequested
 
-    monkeypatch.setattr(loop_mod, "validate", signalled_validation)
+    def signalled_after_validation(session, extra, rouge, stop):
+        stop.signum = signal.SIGTERM  # this rank's, during the bookkeeping after the last check
+        return False
+
     class Stop(types.SimpleNamespace):
         requested = property(lambda self: self.signum is not None)
+        name = property(lambda self: signal.Signals(self.signum).name if self.signum else "")
 
-    train = types.SimpleNamespace(max_minutes=0, max_steps=100, log_every=1000, rouge_every=0, eval_every=10,
-                                  ckpt_every=20)
-    stop = Stop(signum=None, name="SIGTERM", interruptible=None)
-    window = types.SimpleNamespace(reset=lambda: None)
-    session = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(train=train), progress={"step": 10, "elapsed_s": 0.0},
-        rt=types.SimpleNamespace(distributed=False), scheduler=types.SimpleNamespace(get_last_lr=lambda: [1e-3]),
-        monitor=types.SimpleNamespace(write=lambda message: None))
-    loop = types.SimpleNamespace(stop=stop, window=window, unread=None)  # no step left to settle
-    assert loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0), "modules": {}}, time_up=False) is True
-    assert saved == [False] and session.progress["owed"]["validate"]  # done when the run resumes
-    session.progress["step"], stop.signum = 20, None  # the checkpoint interval, with the same signal
-    assert loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0), "modules": {}}, time_up=False) is True
-    assert saved == [False, True]
+    def after(validation, distributed):
+        monkeypatch.setattr(loop_mod, "validate", validation)
+        train = types.SimpleNamespace(max_minutes=0, max_steps=100, log_every=1000, rouge_every=0, eval_every=10,
+                                      ckpt_every=20)
+        session = types.SimpleNamespace(
+            cfg=types.SimpleNamespace(train=train), progress={"step": 10, "elapsed_s": 0.0},
+            rt=types.SimpleNamespace(distributed=distributed),
+            scheduler=types.SimpleNamespace(get_last_lr=lambda: [1e-3]),
+            monitor=types.SimpleNamespace(write=lambda message: None))
+        loop = types.SimpleNamespace(stop=Stop(signum=None), window=types.SimpleNamespace(reset=lambda: None),
+                                     unread=None)  # no step left to settle
+        saved.clear()
+        stopped = loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0), "modules": {}}, time_up=False)
+        return stopped, list(saved), "owed" in session.progress
+
+    assert after(abandoned_validation, distributed=True) == (True, [True], True)  # validation owed to the resume
+    assert after(signalled_after_validation, distributed=True) == (False, [], False)
+    assert after(signalled_after_validation, distributed=False) == (True, [True], False)
+
+
+def test_a_stop_flag_adopts_another_ranks_signal_and_this_processs_own_is_not_a_second(monkeypatch):
+    """`agree`: a signal summed from another rank becomes this rank's stop (its name, exit status, the recipe's next
+    stage not started); the signal that then reaches this process itself (the scheduler signals every rank) is its
+    first, not a second that exits at once. `check` sums the flags across the ranks and raises where any is up."""
+    from summarizer.errors import Stopped
+    from summarizer.runtime import Runtime
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(guard.runtime, "all_reduce_sum", lambda t, rt: t + torch.tensor([0.0, 1.0]))  # rank 1: TERM
+    stop = guard.StopFlag(Runtime(cpu, cpu, "fp32", rank=0, world_size=2))
+    try:
+        assert stop.flags() == [False, False] and not stop.agree([0, 0]) and not stop.requested
+        with pytest.raises(guard.StopRequested):
+            stop.check()
+        assert stop.name == "SIGTERM"
+        os.kill(os.getpid(), signal.SIGINT)  # this process's first signal: noted, not raised
+        assert stop.name == "SIGTERM"
+        with pytest.raises(Stopped):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.restore()
 
 
 def test_ranks_agree_on_stopping_one_step_late_under_ddp_and_at_once_without(monkeypatch):

@@ -31,12 +31,14 @@ class StopRequested(Exception):
 
 class StopFlag:
     """SIGINT/SIGTERM ask the run to stop. Between steps the loop writes the finished step's checkpoint first and
-    exits; inside `interruptible` (validation, which changes no weights) the work is abandoned at once for that
-    checkpoint; a second signal exits at once (errors.Stopped). Schedulers give a stopped job seconds (Slurm's
-    KillWait and Kubernetes' grace period: 30 s, `docker stop`: 10 s) before SIGKILL."""
+    exits; inside `interruptible` (validation, which changes no weights) the work is abandoned for that checkpoint;
+    a second signal exits at once (errors.Stopped). Schedulers give a stopped job seconds (Slurm's KillWait and
+    Kubernetes' grace period: 30 s, `docker stop`: 10 s) before SIGKILL. Under DDP a signal is one rank's until the
+    ranks sum their `flags` (Consensus between steps, `check` inside validation): then it is every rank's (`agree`),
+    so all stop at the same step and checkpoint it together."""
 
-    def __init__(self):
-        self.signum: int | None = None
+    def __init__(self, rt: Runtime):
+        self.rt, self.signum, self._received = rt, None, False  # received: a signal came to this process itself
         self._pid, self._interruptible = os.getpid(), False
         self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
 
@@ -51,18 +53,42 @@ class StopFlag:
     def _handle(self, signum, frame):
         if os.getpid() != self._pid:  # a DataLoader worker forked before init_worker ignores signals: not its call
             return
-        if self.requested:
+        if self._received:  # the second to this process (one another rank's stop lent it is not: `agree`)
             raise Stopped(signum)
-        self.signum = signum
+        self._received, self.signum = True, self.signum or signum
         if self._interruptible:
+            raise StopRequested
+
+    def flags(self) -> list[bool]:
+        """Which stop signal came to this rank, one flag per signal: what the ranks sum to agree on a stop."""
+        return [self.signum == s for s in STOP_SIGNALS]
+
+    def agree(self, sums) -> bool:
+        """Act on the ranks' summed `flags`: a signal that came to any rank is this rank's too (the stop's name and
+        exit status, and the recipe's next stage not started); True where one came."""
+        came = [s for s, n in zip(STOP_SIGNALS, sums, strict=True) if n]
+        if came and self.signum is None:
+            self.signum = came[0]
+        return bool(came)
+
+    def check(self) -> None:
+        """A point of an `interruptible` block where a stop abandons it (StopRequested). Under DDP a collective: every
+        rank reaches the same points, and all abandon at the first one after any rank's signal."""
+        flags = self.flags()
+        if self.rt.distributed:
+            flags = runtime.all_reduce_sum(runtime.device_tensor([float(f) for f in flags], self.rt.device),
+                                           self.rt).tolist()
+        if self.agree(flags):
             raise StopRequested
 
     @contextlib.contextmanager
     def interruptible(self):
-        """A block that a stop signal abandons (StopRequested) instead of waiting for it to finish."""
-        if self.requested:
-            raise StopRequested
-        self._interruptible = True
+        """A block that a stop signal abandons (StopRequested) instead of waiting for it to finish: in one process
+        wherever the block is when the signal comes; under DDP at its next `check`, where every rank abandons it
+        together (a rank leaving alone would leave the others waiting in a collective it never joins, and could
+        not save every rank's random streams)."""
+        self.check()
+        self._interruptible = not self.rt.distributed
         try:
             yield
         finally:

@@ -123,7 +123,7 @@ def start_loop(session: Session) -> Loop:
     step, note = step_function(train_step, session.model, session.optimizer, rt, train_cfg)
     if note:
         session.monitor.write(note)
-    return Loop(StopFlag(), ChildSignals(), Window(rt, peak_flops=peak), profiler,
+    return Loop(StopFlag(rt), ChildSignals(), Window(rt, peak_flops=peak), profiler,
                 time.perf_counter() - session.progress["elapsed_s"],
                 ModuleStats(session.model) if train_cfg.module_stats else None, compiling=train_cfg.compile,
                 consensus=Consensus(rt), step=step)
@@ -152,9 +152,10 @@ def train(cfg: Config) -> dict:
                 if out is None:  # a loss spike rolled the run back to its newest checkpoint
                     continue
                 minutes = cfg.train.max_minutes
-                stop, time_up = loop.consensus(loop.stop.requested,
-                                               bool(minutes) and progress["elapsed_s"] >= 60 * minutes)
-                if stop:  # the finished step's checkpoint first, and nothing else: what it owes waits (owe)
+                *signals, time_up = loop.consensus(*loop.stop.flags(),
+                                                   bool(minutes) and progress["elapsed_s"] >= 60 * minutes)
+                # a signal to any rank: the finished step's checkpoint first, and nothing else (what it owes waits: owe)
+                if loop.stop.agree(signals):
                     owe(session, loop, out, log=True)
                     save_settled(session, loop)
                     session.monitor.write(f"stopping at step {progress['step']}: {loop.stop.name}; checkpoint "
@@ -257,8 +258,7 @@ def pay(session: Session, loop: Loop) -> bool:
         save_now(session)  # the step's checkpoint again, owing nothing: a crash now must not log the row twice
         return False
     try:
-        early_stop = validate(session, {"lr": owed["lr"], "grad_norm": owed["grad_norm"]}, owed["rouge"],
-                              loop.stop.interruptible)
+        early_stop = validate(session, {"lr": owed["lr"], "grad_norm": owed["grad_norm"]}, owed["rouge"], loop.stop)
     except StopRequested:
         progress["owed"] = {**owed, "log": False}
         save_now(session)
@@ -270,11 +270,12 @@ def pay(session: Session, loop: Loop) -> bool:
     return early_stop
 
 
-def save_settled(session: Session, loop: Loop, every_rank: bool = True) -> None:
-    """The step's checkpoint (guard.save_now), its finiteness read first (settle), so the count of non-finite steps
-    in a row that the checkpoint keeps includes it, as a run that goes on counts it at its next step."""
+def save_settled(session: Session, loop: Loop) -> None:
+    """The step's checkpoint (guard.save_now, every rank together), its finiteness read first (settle), so the count
+    of non-finite steps in a row that the checkpoint keeps includes it, as a run that goes on counts it at its next
+    step."""
     settle(session, loop)
-    save_now(session, every_rank)
+    save_now(session)
 
 
 def settle(session: Session, loop: Loop) -> None:
@@ -302,7 +303,9 @@ def settle(session: Session, loop: Loop) -> None:
 
 def after_step(session: Session, loop: Loop, out: dict, time_up: bool) -> bool:
     """Log, validate and checkpoint on their intervals; True when training must stop now (`time_up`: the ranks agree
-    train.max_minutes is spent). A stop signal during validation abandons it for the checkpoint."""
+    train.max_minutes is spent). A stop signal during validation abandons it for the checkpoint. Under DDP only what
+    every rank knows decides (the step, `time_up`, validation abandoned on every rank at once): a signal that came to
+    this rank alone is acted on at the next steps' Consensus, with every rank."""
     train_cfg, step, window = session.cfg.train, session.progress["step"], loop.window
     check_run_dir(session)
     final = step >= train_cfg.max_steps or time_up
@@ -311,12 +314,12 @@ def after_step(session: Session, loop: Loop, out: dict, time_up: bool) -> bool:
     if logged:
         session.monitor.log(step, "train", {**window.summary(lr, out["grad_norm"]), **out["modules"]})
         window.reset()
-    early_stop = False
+    early_stop = abandoned = False
     if validated:
         try:
-            early_stop = validate(session, {"lr": lr, "grad_norm": out["grad_norm"].item()}, rouge,
-                                  loop.stop.interruptible)
+            early_stop = validate(session, {"lr": lr, "grad_norm": out["grad_norm"].item()}, rouge, loop.stop)
         except StopRequested:
+            abandoned = True
             session.monitor.write(f"step {step}: validation abandoned for the checkpoint ({loop.stop.name}); it runs "
                                   f"when the run resumes")
             owe(session, loop, out, log=False, final=final)
@@ -327,11 +330,11 @@ def after_step(session: Session, loop: Loop, out: dict, time_up: bool) -> bool:
             dead_worker(session, loop.stop, exc)  # raises, or returns where a stop signal killed the worker
             return True
         window.reset()  # evaluation is not training throughput
-    scheduled = step % train_cfg.ckpt_every == 0 or final or early_stop  # the same on every rank
-    if scheduled or loop.stop.requested:  # a signal that came during this step's validation: this rank's own
-        save_settled(session, loop, every_rank=scheduled)
+    stopping = abandoned or (loop.stop.requested and not session.rt.distributed)
+    if step % train_cfg.ckpt_every == 0 or final or early_stop or stopping:
+        save_settled(session, loop)
         window.reset()  # nor is checkpoint writing
-    if time_up or early_stop or loop.stop.requested:
+    if time_up or early_stop or stopping:
         reason = loop.stop.name or ("time limit" if time_up else "early stopping")
         session.monitor.write(f"stopping at step {step}: {reason}")
         return True

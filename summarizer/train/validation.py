@@ -22,6 +22,7 @@ from summarizer.evaluation.scoring import ROUGE_TYPES, quality, rouge_report, wo
 from summarizer.model import checkpoint
 from summarizer.runtime import Runtime, move_batch
 from summarizer.runtime.placement import place_model
+from summarizer.train.guard import StopFlag
 from summarizer.train.losses import smoothed_nll
 from summarizer.train.session import Session
 from summarizer.train.watch.module_stats import activation_rms
@@ -57,20 +58,25 @@ def rouge_settings(s: Session) -> dict:
             "precision": s.rt.precision}
 
 
-def validate(s: Session, extra: dict, rouge: bool, abandonable=contextlib.nullcontext) -> bool:
+def validate(s: Session, extra: dict, rouge: bool, stop: StopFlag | None = None) -> bool:
     """Validation loss, ROUGE on a fixed valid subset when due, samples, and best-checkpoint
-    bookkeeping by `train.select_by`; True when patience runs out. The measuring runs inside `abandonable`
-    (a stop signal may abandon it there), the bookkeeping after it never is."""
+    bookkeeping by `train.select_by`; True when patience runs out. A stop signal may abandon the measuring
+    (StopRequested; `stop`, the run's StopFlag: under DDP at the checks between its parts, on every rank together),
+    never the bookkeeping after it."""
     settings = rouge_settings(s)
-    with abandonable():
+    check = stop.check if stop is not None else lambda: None
+    with stop.interruptible() if stop is not None else contextlib.nullcontext():
         # Every rank decodes the same subset deterministically, so all agree on the best without talking; each reads
         # best.pt before evaluate_loss's all-reduce, which no rank passes before all reach it, so before it is replaced
         rescored, best_again = rescore_best(s, settings) if rouge else (None, {})
+        check()
         started = time.perf_counter()
         metrics = evaluate_loss(s.eval_model, s.valid_loader, s.rt, s.cfg.train.module_stats)
         metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
+        check()
         if rouge:  # logged with what it was measured under, and best.pt's ROUGE under that where it was re-scored
             metrics.update(valid_rouge(s, s.eval_model), rouge_settings=settings, **best_again)
+            check()
         samples = sample_summaries(s.eval_model, s.valid_ds, s.tokenizer, s.rt, s.cfg) \
             if s.rt.is_main and s.cfg.train.sample_summaries else None
     if rescored is not None:
