@@ -72,8 +72,14 @@ smoke: install
 tensorboard: install
 	$(VENV)/bin/tensorboard --logdir runs --port $(TB_PORT)
 
+# Only directories the product made (its marker file inside), never through a symbolic link: a user's own
+# directory or link under checkpoints/ or runs/ stays, and so does what a link points to.
 clean:
-	rm -rf runs checkpoints/*/ data/tiny data/overfit .pytest_cache
+	@for d in runs/* checkpoints/* data/tiny data/overfit; do \
+		if [ -d "$$d" ] && [ ! -L "$$d" ] && { [ -f "$$d/.summarizer" ] || [ -f "$$d/.summarizer.run_dir" ]; }; then \
+			rm -rf "$$d" && echo "removed $$d"; \
+		elif [ -e "$$d" ] || [ -L "$$d" ]; then echo "kept $$d (not made by this product)"; fi; \
+	done; rmdir runs 2>/dev/null; rm -rf .pytest_cache
 
 # The research harness (docs/comparing.md).
 compare: install
