@@ -90,6 +90,19 @@ def test_finished_means_stopped_for_good():
     assert is_finished({**base, "step": 4}, t)
 
 
+def test_a_finished_run_stands_only_for_a_config_that_could_resume_it(tiny_data, tmp_path):
+    """`train` (and `seeds`) on a finished run of another model or recipe must not answer with that run's weights:
+    it is refused as a resume would be; a change a resume may make (eval, max_steps kept) finds it finished."""
+    from summarizer.train.loop import train
+    args = [f"data.dir={tiny_data}", f"run.dir={tmp_path / 'run'}", f"run.tensorboard_dir={tmp_path / 'tb'}", *SMALL,
+            "train.max_steps=4"]
+    train(load_config(ROOT / "configs/tiny.yaml", args))
+    assert training_finished(load_config(ROOT / "configs/tiny.yaml", [*args, "eval.beam_size=2"])) == 4
+    for change in ("model.d_model=64", "train.label_smoothing=0.2"):
+        with pytest.raises(ConfigError, match=f"{change.split('=')[0]}: .* in the checkpoint"):
+            training_finished(load_config(ROOT / "configs/tiny.yaml", [*args, change]))
+
+
 def test_a_stage_after_one_that_ended_early_starts_from_its_last_checkpoint(tmp_path):
     (_, first), (_, second) = load_stages(recipe(tmp_path), [f"run.dir={tmp_path}/r"])
     resolve_start(first, second)  # nothing trained yet: the path stays, and training it says it is missing

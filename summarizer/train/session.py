@@ -3,6 +3,7 @@ optimizer, schedule, the weights' moving average, progress; and the snapshot a c
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
@@ -111,15 +112,30 @@ def resume_state(cfg: Config, meta: dict) -> tuple[dict | None, list[dict]]:
     state, path, skipped = found
     for problem in skipped:
         print(f"warning: {problem}; resuming from {path.name} instead", file=sys.stderr)
-    checkpoint.check_tokenizer(state["data_meta"], meta, f"run {cfg.run_dir}")
-    # the keys only prep reads change on resume only to what the data was made with (adopt_prep_settings), which a
-    # meta.json older than its record of them cannot say: there they stay as the run began
-    fixed = frozenset() if "settings" in meta else frozenset(f"data.{key}" for key in PREP_ONLY)
-    changes = check_resume(state["config"], cfg, cfg.run_dir, state["step"], fixed)
+    changes = changes_from(state, cfg, meta)
     if changes:
         print(f"resuming at step {state['step']} with changed settings: " + ", ".join(
             f"{c['key']} {c['old']!r} -> {c['new']!r}" for c in changes), file=sys.stderr)
     return state, changes
+
+
+def changes_from(state: dict, cfg: Config, meta: dict) -> list[dict]:
+    """The config changes `cfg` (its prep-only keys adopted from `meta`) makes to the run of checkpoint `state`;
+    refuses another tokenizer and changes that cannot take effect mid-run (config.resume.check_resume)."""
+    checkpoint.check_tokenizer(state["data_meta"], meta, f"run {cfg.run_dir}")
+    # the keys only prep reads change on resume only to what the data was made with (adopt_prep_settings), which a
+    # meta.json older than its record of them cannot say: there they stay as the run began
+    fixed = frozenset() if "settings" in meta else frozenset(f"data.{key}" for key in PREP_ONLY)
+    return check_resume(state["config"], cfg, cfg.run_dir, state["step"], fixed)
+
+
+def check_finished(state: dict, cfg: Config) -> None:
+    """A finished run is the run `cfg` asks for only where `cfg` could resume it: another model, data or recipe is
+    refused as a resume would refuse it (a new run.name trains it), never answered with this run's weights."""
+    meta = read_meta(cfg.data.dir)
+    cfg = copy.deepcopy(cfg)
+    adopt_prep_settings(cfg.data, meta)
+    changes_from(state, cfg, meta)
 
 
 def initial_weights(cfg: Config, meta: dict) -> dict | None:

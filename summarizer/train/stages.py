@@ -9,6 +9,7 @@ from pathlib import Path
 from summarizer.config.schema import Config, TrainConfig
 from summarizer.model import checkpoint
 from summarizer.train.loop import train
+from summarizer.train.session import check_finished
 
 
 def is_finished(progress: dict, t: TrainConfig) -> bool:
@@ -19,12 +20,16 @@ def is_finished(progress: dict, t: TrainConfig) -> bool:
 
 def training_finished(cfg: Config) -> int | None:
     """The step a finished run stopped at, or None when it must (still) be trained, or owes what a stop left
-    undone (its last log row or validation: loop.owe)."""
+    undone (its last log row or validation: loop.owe). A finished run of other settings than `cfg`'s (a model,
+    data or recipe a resume could not change) is refused, not taken for `cfg`'s."""
     found = checkpoint.load_latest(cfg.run_dir)  # the newest readable one, as a resume reads it
     if found is None:
         return None
     progress = found[0]["progress"]
-    return progress["step"] if is_finished(progress, cfg.train) and "owed" not in progress else None
+    if not is_finished(progress, cfg.train) or "owed" in progress:
+        return None
+    check_finished(found[0], cfg)
+    return progress["step"]
 
 
 def resolve_start(before: Config | None, cfg: Config) -> None:
