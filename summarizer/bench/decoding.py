@@ -21,6 +21,7 @@ from summarizer.bench.training import stats
 from summarizer.config.schema import Config
 from summarizer.data.batches import PairDataset, pad_sources
 from summarizer.data.prepared import load_split, open_tokenizer, read_meta, read_pairs, valid_split
+from summarizer.decode.inference import load_model, read_eval_pairs
 from summarizer.decode.lexicon import lexicon
 from summarizer.decode.quantize import decoding_form, decoding_precision, resolve_quantize
 from summarizer.decode.search import decode_all
@@ -44,14 +45,22 @@ def weights(cfg: Config) -> Path:
     return path
 
 
-def _model(cfg: Config, rt: runtime.Runtime, quantize: str = "none"):
-    """The weights to decode with (`weights`), or a fresh model if there are none (speed only)."""
+def check_weights(cfg: Config) -> None:
+    """Refuse, before any row runs, weights trained with another tokenizer than `data.dir`'s (as eval does):
+    their decoding would be timed and scored on ids that mean other words to them."""
     path = weights(cfg)
     if path.is_file():
-        model = checkpoint.restore_model(checkpoint.load(path))
-    else:
-        torch.manual_seed(cfg.train.seed)
-        model = build(cfg, rt, read_meta(cfg.data.dir))[0].cpu()
+        checkpoint.check_tokenizer(checkpoint.load(path)["data_meta"], read_meta(cfg.data.dir), f"checkpoint {path}")
+
+
+def _model(cfg: Config, rt: runtime.Runtime, quantize: str = "none"):
+    """The weights to decode with (`weights`), loaded as eval loads them (refused beside another tokenizer's
+    data), or a fresh model if there are none (speed only)."""
+    path = weights(cfg)
+    if path.is_file():
+        return load_model(path, rt, read_meta(cfg.data.dir), quantize)[0]
+    torch.manual_seed(cfg.train.seed)
+    model = build(cfg, rt, read_meta(cfg.data.dir))[0].cpu()
     return decoding_form(runtime.unwrap(model), rt, quantize).to(rt.device).eval()
 
 
@@ -241,7 +250,6 @@ def file_row(cfg: Config) -> dict:
     """Decoding as other toolkits time it: a file of raw text (`eval.pairs`, else the prepared test split) with
     the default eval, greedy and beam 4 taking turns, and start-up (the checkpoint, its int8 or bf16 form, the
     word rules' lexicon, reading and tokenizing the file) timed apart from decoding."""
-    from summarizer.decode.inference import load_model, read_eval_pairs
     lexicon.cache_clear()  # built from scratch, as a fresh process would
     started = time.perf_counter()
     rt = runtime.setup(cfg.system, cfg.placement, decoding_precision(cfg))

@@ -10,7 +10,15 @@ import torch
 
 from summarizer import runtime
 from summarizer.bench import memory as bench_memory
-from summarizer.bench.decoding import decode_rate, decode_row, file_row, profile_row, summarize_row, weights
+from summarizer.bench.decoding import (
+    check_weights,
+    decode_rate,
+    decode_row,
+    file_row,
+    profile_row,
+    summarize_row,
+    weights,
+)
 from summarizer.bench.training import memory_row, second_epoch_rates, training_rates, variant
 from summarizer.config.schema import Config
 from summarizer.outputs import atomic_write, claim_dir
@@ -168,6 +176,7 @@ def run_bench(cfg: Config) -> list[dict]:
         from summarizer.errors import ConfigError
         raise ConfigError(f"unknown bench rows {unknown}; choose from "
                           f"{sorted(set(table) | set(NOT_HERE) | set(AFTER_ROWS))}")
+    check_weights(cfg)
     results = []
     for name in wanted:
         if results:  # the rows measured so far, kept should the bench be stopped or killed before its end

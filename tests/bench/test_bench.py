@@ -95,6 +95,16 @@ def test_a_bench_checkpoint_that_is_not_a_file_is_refused_not_replaced_by_a_fres
         run_bench(cfg)
 
 
+@pytest.mark.parametrize("row", ["decode_greedy", "decode_profile"])
+def test_a_bench_checkpoint_beside_another_tokenizers_data_is_refused_as_eval_refuses_it(cfg, trained_run, row):
+    """Decoding ids of one tokenizer with a model of another times and scores nonsense: the decoding rows load
+    bench.checkpoint as eval does, and refuse it."""
+    from summarizer.errors import DataError
+    cfg.bench.rows, cfg.bench.checkpoint = [row], str(trained_run[0] / "run" / "best.pt")
+    with pytest.raises(DataError, match="tokenizer mismatch"):
+        run_bench(cfg)
+
+
 @pytest.mark.slow
 def test_compile_row_measures_or_reports_why_not(cfg):
     cfg.bench.rows = ["compile"]
