@@ -15,7 +15,7 @@ TB_PORT ?= 6006
 help:
 	@echo "make install | check | test | prep | train | eval | summarize | overfit | smoke | bench | tensorboard | clean"
 	@echo "  CONFIG=$(CONFIG)  ARGS='key.sub=value ...'"
-	@echo "make compare A=PRED_A B=PRED_B REF=PAIRS_OR_SPLIT [OUT=DIR] | average [N=all kept] | seeds N=3 | report [DIRS='dir ...'] [CSV=1]"
+	@echo "make compare A=PRED_A B=PRED_B REF=PAIRS_OR_SPLIT [OUT=DIR] [ARGS='--truncate-bytes N ...'] | average [N=all kept] | seeds N=3 | report [DIRS='dir ...'] [CSV=1]"
 
 install: $(VENV)/.installed
 
@@ -83,8 +83,8 @@ clean:
 
 # The research harness (docs/comparing.md).
 compare: install
-	@test -n "$(A)" -a -n "$(B)" -a -n "$(REF)" || { echo "error: usage: make compare A=PRED_A B=PRED_B REF=PAIRS_OR_SPLIT [OUT=DIR]" >&2; exit 2; }
-	$(PY) -m summarizer compare $(A) $(B) --ref $(REF) --out $(or $(OUT),.)
+	@test -n "$(A)" -a -n "$(B)" -a -n "$(REF)" || { echo "error: usage: make compare A=PRED_A B=PRED_B REF=PAIRS_OR_SPLIT [OUT=DIR] [ARGS='--truncate-bytes N --samples N --seed S']" >&2; exit 2; }
+	$(PY) -m summarizer compare $(A) $(B) --ref $(REF) --out $(or $(OUT),.) $(ARGS)
 
 average: install
 	$(PY) -m summarizer average --config $(CONFIG) $(if $(N),--last $(N)) $(ARGS)

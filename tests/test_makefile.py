@@ -1,6 +1,8 @@
-"""The Makefile's own logic: `make clean` removes only what the product made."""
+"""The Makefile's own logic: `make clean` removes only what the product made; targets pass their options on."""
+import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -30,3 +32,22 @@ def test_clean_removes_the_products_directories_and_nothing_of_the_users(tmp_pat
     assert (tmp_path / "checkpoints" / "pretrained").is_symlink()
     assert (tmp_path / "checkpoints" / "notes" / "todo.txt").is_file() and (tmp_path / "checkpoints/.gitkeep").exists()
     assert "kept checkpoints/pretrained (not made by this product)" in out and "removed checkpoints/base" in out
+
+
+def dry_run(tmp_path: Path, *argv: str) -> list[str]:
+    """The commands `make -n` would run for `argv`, in a dir whose install is up to date."""
+    for name in ("setup.cfg", "pyproject.toml"):
+        (tmp_path / name).write_text("")
+    (tmp_path / ".venv").mkdir(exist_ok=True)
+    installed = tmp_path / ".venv" / ".installed"
+    installed.write_text("")
+    os.utime(installed, (time.time() + 60, time.time() + 60))  # newer than its inputs: nothing to install
+    out = subprocess.run(["make", "-n", "-s", "-f", str(MAKEFILE), "-C", str(tmp_path), *argv], capture_output=True,
+                         text=True, check=True).stdout
+    return [line for line in out.splitlines() if " -m summarizer " in line]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_compare_passes_args_to_the_command(tmp_path):
+    [line] = dry_run(tmp_path, "compare", "A=a", "B=b", "REF=r", "ARGS=--truncate-bytes 75 --samples 50 --seed 3")
+    assert line.endswith("-m summarizer compare a b --ref r --out . --truncate-bytes 75 --samples 50 --seed 3")

@@ -66,14 +66,36 @@ def _stem(name: str) -> str:
     return name.removesuffix(".gz").removesuffix(".jsonl")
 
 
-def decoded_from(predictions: Path) -> str | None:
-    """The split or pairs file an eval output dir's predictions were decoded from (its rouge.json), if known."""
+def eval_settings(predictions: Path) -> dict:
+    """The settings of the evaluation that wrote an eval output dir's predictions (its rouge.json); {} if unknown."""
     try:
         settings = json.loads((predictions.parent / "rouge.json").read_text()).get("settings", {})
     except (OSError, ValueError, AttributeError):
-        return None
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
+def decoded_from(settings: dict) -> str | None:
+    """The split or pairs file an evaluation (its rouge.json settings) decoded, if known."""
     name = settings.get("pairs_file") or settings.get("split")
     return _stem(name) if isinstance(name, str) and name else None
+
+
+def check_cuts(settings: dict[str, dict], paths: dict[str, Path], truncate: int) -> None:
+    """Refuse systems that eval cut to eval.truncate_bytes unless both were cut alike and are compared at that
+    cut: summaries cut short and scored as full-length F (or at another cut) would pass a difference of length
+    off as one of quality."""
+    cuts = {role: s.get("truncate_bytes") or 0 for role, s in settings.items() if "truncate_bytes" in s}
+    if len(set(cuts.values())) > 1:
+        raise CompareError(f"A {paths['A']} was decoded with eval.truncate_bytes={cuts['A']} but B {paths['B']} "
+                           f"with {cuts['B']} (their rouge.json): compare systems decoded with the same "
+                           f"eval.truncate_bytes, and give that as --truncate-bytes")
+    cut = next(iter(cuts.values()), 0)
+    if cut and cut != truncate:
+        roles = " and ".join(f"{role} {paths[role]}" for role in cuts)
+        raise CompareError(f"{roles} {'was' if len(cuts) == 1 else 'were'} decoded with eval.truncate_bytes={cut} "
+                           f"(rouge.json), but --truncate-bytes is {truncate}: compare them with --truncate-bytes "
+                           f"{cut} (recall of the first {cut} bytes, as eval scored them)")
 
 
 def reference_name(ref: str) -> str:
@@ -157,8 +179,11 @@ def compare(a: str, b: str, ref: str, out_dir: str | Path = ".", samples: int = 
         raise CompareError(f"A {path_a} and B {path_b} have {len(preds_a)} lines but references {where} hold "
                            f"{len(references)} pairs: compare predictions of the same split (eval.limit?)")
     named = reference_name(ref)
-    for role, path in (("A", path_a), ("B", path_b)):
-        source = decoded_from(path)
+    paths = {"A": path_a, "B": path_b}
+    settings = {role: eval_settings(path) for role, path in paths.items()}
+    check_cuts(settings, paths, truncate)
+    for role, path in paths.items():
+        source = decoded_from(settings[role])
         if source is not None and source != named:
             print(f"warning: {role} {path} was decoded from {source} (its rouge.json), but --ref {ref} is {named}: "
                   f"its scores mean something only against the references it summarises", file=sys.stderr, flush=True)
@@ -188,7 +213,8 @@ def format_table(report: dict) -> str:
     """The console view of a compare report: one row per metric."""
     lines = [f"A: {report['a']}", f"B: {report['b']}",
              f"references: {report['references']} ({report['pairs']} pairs); "
-             f"{report['settings']['samples']} resamples/shuffles, seed {report['settings']['seed']}", "",
+             f"{report['settings']['samples']} resamples/shuffles, seed {report['settings']['seed']}",
+             f"measure: ROUGE {report['settings']['measure']}", "",
              f"{'metric':<8} {'A':>6} {'B':>6} {'B-A':>7}  {'95% CI of B-A':<19} {'B wins':>6} "
              f"{'p boot':>7} {'p perm':>7}"]
     for kind, m in report["metrics"].items():

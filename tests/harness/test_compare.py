@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from summarizer.decode.inference import truncate_bytes
 from summarizer.evaluation.scoring import rouge_report
 from summarizer.harness.compare import CompareError, compare, pair_scores, permutation_means, significance
 
@@ -178,3 +179,37 @@ def test_compare_never_replaces_a_file_it_did_not_write(systems, tmp_path, capsy
     assert main(["compare", str(latin), str(good), "--ref", ref, "--out", str(tmp_path), "--samples", "10"]) == 2
     err = capsys.readouterr().err
     assert "is not UTF-8 text" in err and "Traceback" not in err
+
+
+def eval_dir(path: Path, lines: list[str], cut: int) -> Path:
+    """An eval output dir as `eval` writes one: predictions (cut to `cut` bytes) and rouge.json's settings."""
+    path.mkdir()
+    write_lines(path / "predictions.txt", [truncate_bytes(line, cut, whole_words=True) for line in lines])
+    (path / "rouge.json").write_text(json.dumps({"settings": {"split": "test", "truncate_bytes": cut}}))
+    return path
+
+
+def test_summaries_cut_by_eval_are_compared_only_at_their_cut(systems, tmp_path, capsys):
+    """Summaries eval cut to 30 bytes, scored as full-length F against uncut ones, would show their shortness as a
+    significant loss: the cut each was decoded with must be the same for both and the one compared at."""
+    from summarizer.__main__ import main
+    _, good, _, _ = systems
+    ref = str(TINY / "test.jsonl")
+    targets = [p["target"] for p in TEST_PAIRS]
+    cut30, cut75, full = (eval_dir(tmp_path / name, targets, cut)
+                          for name, cut in (("cut30", 30), ("cut75", 75), ("full", 0)))
+    for a, b, flag, needle in ((cut30, full, "0", "with 0"), (cut30, cut75, "30", "with 75"),
+                               (cut30, good, "0", "--truncate-bytes 30"), (good, cut30, "75", "--truncate-bytes 30")):
+        argv = ["compare", str(a), str(b), "--ref", ref, "--out", str(tmp_path / "out"), "--truncate-bytes", flag]
+        assert main(argv) == 2, (a, b, flag)
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and needle in err and "eval.truncate_bytes=30" in err
+        assert "Traceback" not in err and not (tmp_path / "out" / "compare.json").exists()
+    argv = ["compare", str(cut30), str(good), "--ref", ref, "--out", str(tmp_path), "--truncate-bytes", "30",
+            "--samples", "10"]
+    assert main(argv) == 0
+    assert "measure: ROUGE recall of the first 30 bytes" in capsys.readouterr().out
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert all(m["diff"] == 0 for m in report["metrics"].values())  # the same summaries, cut alike
+    assert main(["compare", str(full), str(good), "--ref", ref, "--out", str(tmp_path), "--samples", "10"]) == 0
+    assert "measure: ROUGE F-measure, full length" in capsys.readouterr().out
