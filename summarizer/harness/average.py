@@ -102,6 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def cli(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     out, steps = average_checkpoints(cfg, args.last)
-    print(f"averaged steps {', '.join(map(str, steps))} into {out}; evaluate it with eval.checkpoint={out}",
-          file=sys.stderr)
+    print(f"averaged steps {', '.join(map(str, steps))} into {out}; evaluate it with eval.checkpoint={out} "
+          f"eval.out_dir=evals/{cfg.run.name}-{out.stem} (a dir of its own: best.pt's evaluation in the run dir "
+          f"stays)", file=sys.stderr)
     return 0

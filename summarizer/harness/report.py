@@ -107,14 +107,18 @@ def _progress(run_dir: Path) -> dict | None:
 
 def _rouge(run_dir: Path, records: list[dict]) -> dict:
     """ROUGE of the run's evaluation (rouge.json) in the measure it scored (F; recall where it cut summaries to
-    eval.truncate_bytes), else the best valid ROUGE-1 (F) from training among those measured with the last one's
-    settings (best.pt's, where a resumed run re-scored it, among them)."""
+    eval.truncate_bytes) and the checkpoint it scored where that is not best.pt (eval.checkpoint), else the best
+    valid ROUGE-1 (F) from training among those measured with the last one's settings (best.pt's, where a resumed
+    run re-scored it, among them)."""
     report = _read_json(run_dir / "rouge.json")
     if report and all(kind in report for kind in ROUGE_TYPES):
         settings = report.get("settings", {})
         cut = settings.get("truncate_bytes") or 0
         measure = measure_for(cut)
+        scored = settings.get("checkpoint") or {}
+        name = Path(scored.get("path") or checkpoint.BEST).name
         return {"rouge_from": "eval", "eval_split": settings.get("split"), "eval_pairs": settings.get("pairs"),
+                "eval_checkpoint": None if name == checkpoint.BEST else name, "eval_step": scored.get("step"),
                 "rouge_measure": f"recall@{cut}" if cut else "F", "sentences_per_s": report.get("sentences_per_s"),
                 **{kind: report[kind][measure] for kind in ROUGE_TYPES},
                 **{f"{kind}_ci": report[kind].get(f"{measure}_ci") for kind in ROUGE_TYPES}}
@@ -222,7 +226,8 @@ def markdown_cells(row: dict) -> list[str]:
     if (row["world_size"] or 1) > 1:
         device = f"{row['world_size']}× {device}"
     measure = "" if row.get("rouge_measure", "F") == "F" else f", {row['rouge_measure']}"
-    evaluated = f"{row['eval_split']} ({row['eval_pairs']}){measure}" if row["rouge_from"] == "eval" else (
+    other = f", {row['eval_checkpoint']} (step {row['eval_step']})" if row.get("eval_checkpoint") else ""
+    evaluated = f"{row['eval_split']} ({row['eval_pairs']}){measure}{other}" if row["rouge_from"] == "eval" else (
         f"valid, step {row['valid_step']}" if row["rouge_from"] == "valid" else "—")
     return [row["run"], ", ".join(row["differs"]) or "(recipe)",
             f"{row['steps']:,}" if row["steps"] is not None else "—",
@@ -242,7 +247,7 @@ def markdown(rows: list[dict]) -> str:
 def csv_text(rows: list[dict]) -> str:
     """One line per run, numbers unformatted; ROUGE intervals in their own columns."""
     fields = ["run", "path", "differs", "steps", "minutes", "precision", "device", "world_size", "commit", "dirty",
-              "rouge_from", "eval_split", "eval_pairs", "valid_step", "rouge_measure"]
+              "rouge_from", "eval_split", "eval_pairs", "eval_checkpoint", "eval_step", "valid_step", "rouge_measure"]
     for kind in ROUGE_TYPES:
         fields += [kind, f"{kind}_low", f"{kind}_high"]
     fields += ["sentences_per_s", "train_flops"]

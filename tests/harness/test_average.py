@@ -25,7 +25,9 @@ def test_average_of_two_equals_the_hand_mean(trained, capsys):
     assert "averaged steps 20, 30, 40 into" in capsys.readouterr().err
     assert main(["average", *args, "--last", "2"]) == 0
     out = tmp / "run" / "averaged_last2.pt"
-    assert f"eval.checkpoint={out}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # a dir of its own: evaluated into the run dir, it would replace best.pt's rouge.json
+    assert f"eval.checkpoint={out} eval.out_dir=evals/tiny-averaged_last2 " in err
     averaged = checkpoint.load(out)
     a, b = (checkpoint.load(checkpoint.step_path(tmp / "run", s)) for s in (30, 40))
     assert averaged["step"] == 40 and [x["step"] for x in averaged["averaged_from"]] == [30, 40]

@@ -78,6 +78,25 @@ def test_an_evaluation_in_recall_at_n_bytes_shows_recall_and_says_so(tmp_path, c
     assert cells[7:10] == ["test (2000), recall@75", "25.7 [1.0–2.0]", "5.9 [1.0–2.0]"]
 
 
+def test_an_evaluation_of_another_checkpoint_than_best_names_it(tmp_path, capsys):
+    """`eval eval.checkpoint=RUN/ckpt_...` writes into the run dir: its ROUGE is not the run's best.pt's, and the row
+    says which checkpoint it scored beside the run's steps."""
+    from summarizer.__main__ import main
+    run_dir = make_run(tmp_path, "early", [], [30.0], True)
+    report = json.loads((run_dir / "rouge.json").read_text())
+    for path, step in ((run_dir / "best.pt", 300), (run_dir / "ckpt_00000050.pt", 50)):
+        report["settings"]["checkpoint"] = {"path": str(path), "step": step}
+        (run_dir / "rouge.json").write_text(json.dumps(report))
+        assert main(["report", "--root", str(tmp_path)]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| early "))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2] == "300" and cells[8] == "35.7 [34.5–36.8]"
+        assert cells[7] == ("test (2000)" if step == 300 else "test (2000), ckpt_00000050.pt (step 50)")
+    assert main(["report", "--root", str(tmp_path), "--csv"]) == 0
+    [row] = csv.DictReader(io.StringIO(capsys.readouterr().out))
+    assert row["eval_checkpoint"] == "ckpt_00000050.pt" and row["eval_step"] == "50"
+
+
 def test_a_run_without_evaluation_shows_its_best_valid_rouge_marked(runs, capsys):
     rows = {row["run"]: row for row in collect([], runs)}
     table = markdown(list(rows.values()))
