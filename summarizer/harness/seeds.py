@@ -12,6 +12,7 @@ import numpy as np
 
 from summarizer.config.load import load_stages
 from summarizer.config.schema import Config
+from summarizer.data.pairs import read_pairs_file
 from summarizer.data.prepared import read_pairs
 from summarizer.errors import ConfigError
 from summarizer.evaluation.evaluate import evaluate
@@ -22,7 +23,8 @@ from summarizer.train.stages import train_stages
 
 NAMES = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L"}
 # rouge.json settings that must equal the current eval config for an evaluation to be reused (and, where the
-# config sets them rather than leaving them to auto, its quantize and precision; its pairs file: `pairs_file`)
+# config sets them rather than leaving them to auto, its quantize and precision; its pairs file: `pairs_file`, whose
+# name is then the evaluation's `split`)
 EVAL_KEYS = ("split", "beam_size", "max_len", "min_len", "length_penalty", "no_repeat_ngram", "known_words",
              "no_repeat_words", "truncate_bytes")
 
@@ -65,13 +67,13 @@ def current_evaluation(cfg: Config) -> dict | None:
         settings = report["settings"]
     except (ValueError, KeyError):
         return None
-    if any(settings.get(key) != getattr(cfg.eval, key) for key in EVAL_KEYS):
+    if any(settings.get(key) != getattr(cfg.eval, key) for key in EVAL_KEYS if key != "split" or not cfg.eval.pairs):
         return None
     if settings.get("pairs_file") != (cfg.eval.pairs or None) or any(
             getattr(cfg.eval, key) != "auto" and settings.get(key) != getattr(cfg.eval, key)
             for key in ("quantize", "precision")):
         return None
-    pairs = len(read_pairs(cfg.data.dir, cfg.eval.split))
+    pairs = len(read_pairs_file(cfg.eval.pairs) if cfg.eval.pairs else read_pairs(cfg.data.dir, cfg.eval.split))
     scored = settings.get("checkpoint", {})
     if settings.get("pairs") != (min(pairs, cfg.eval.limit) if cfg.eval.limit else pairs):
         return None
@@ -138,7 +140,8 @@ def run_seeds(stages: list[tuple[str, Config]], n: int) -> tuple[dict, Path]:
     summary = summarize_seeds(name, runs)
     cfg = stages[-1][1]
     summary["eval"] = {key: getattr(cfg.eval, key) for key in EVAL_KEYS}
-    summary["eval"]["pairs"] = report["settings"]["pairs"]
+    # what was scored, as the evaluation names it: a pairs file's name, not eval.split, when eval.pairs is set
+    summary["eval"].update({key: report["settings"].get(key) for key in ("split", "pairs", "pairs_file")})
     return write_report(path, summary, WRITER, key), path
 
 

@@ -107,6 +107,21 @@ def test_an_evaluation_is_reused_only_for_the_settings_it_scored_with(two_seeds)
         assert seeds.current_evaluation(seed_config(cfg_of(args, change), 1)) is None, change
 
 
+def test_a_pairs_file_is_named_in_the_summary_and_its_evaluation_is_reused(two_seeds, monkeypatch):
+    """With eval.pairs, rouge.json names the pairs file as its split: the summary says what was scored, and a rerun
+    finds each seed's evaluation of that file (eval.limit applied to its pairs) up to date."""
+    tmp, args = two_seeds
+    pairs = f"{args[2].split('=', 1)[1]}/test.jsonl"  # 40 pairs, 8 of them scored (eval.limit)
+    monkeypatch.setattr(stage_runner, "train", lambda cfg: pytest.fail("training finished; must not resume"))
+    summary, _ = seeds.run_seeds(cfg_of(args, f"eval.pairs={pairs}"), 2)
+    assert summary["eval"]["split"] == "test.jsonl" and summary["eval"]["pairs_file"] == pairs
+    assert summary["eval"]["pairs"] == 8
+    assert seeds.format_summary(summary).startswith("tiny, seeds 1, 2 (test.jsonl, 8 pairs, ")
+    monkeypatch.setattr(seeds, "evaluate", lambda cfg: pytest.fail(f"{cfg.run.name} was evaluated again"))
+    assert seeds.run_seeds(cfg_of(args, f"eval.pairs={pairs}"), 2)[0] == summary
+    assert seeds.current_evaluation(seed_config(cfg_of(args, f"eval.pairs={pairs}", "eval.limit=6"), 1)) is None
+
+
 def test_an_unfinished_run_is_resumed(two_seeds):
     _, args = two_seeds
     assert stage_runner.training_finished(seed_config(cfg_of(args), 1)) == 4
