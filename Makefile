@@ -92,5 +92,6 @@ average: install
 seeds: install
 	$(PY) -m summarizer seeds --config $(CONFIG) --n $(or $(N),3) $(ARGS)
 
+# CSV=1 writes CSV; CSV=0 (or false, no), like no CSV at all, the Markdown table.
 report: install
-	$(PY) -m summarizer report $(DIRS) $(if $(CSV),--csv)
+	$(PY) -m summarizer report $(DIRS) $(if $(filter-out 0 false no,$(CSV)),--csv)

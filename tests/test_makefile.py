@@ -51,3 +51,12 @@ def dry_run(tmp_path: Path, *argv: str) -> list[str]:
 def test_compare_passes_args_to_the_command(tmp_path):
     [line] = dry_run(tmp_path, "compare", "A=a", "B=b", "REF=r", "ARGS=--truncate-bytes 75 --samples 50 --seed 3")
     assert line.endswith("-m summarizer compare a b --ref r --out . --truncate-bytes 75 --samples 50 --seed 3")
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_report_writes_csv_for_csv_1_and_markdown_for_csv_0(tmp_path):
+    for value, csv in (("1", True), ("0", False), ("false", False), ("", False)):
+        [line] = dry_run(tmp_path, "report", f"CSV={value}")
+        assert line.endswith("--csv") == csv, value
+    [line] = dry_run(tmp_path, "report")
+    assert not line.endswith("--csv")
