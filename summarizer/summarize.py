@@ -6,13 +6,13 @@ import itertools
 import select
 import sys
 import time
-import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 
 from tqdm import tqdm
 
 from summarizer import runtime
 from summarizer.config.schema import Config
+from summarizer.data.pairs import visible
 from summarizer.data.prepared import check_data_settings, open_tokenizer, read_meta
 from summarizer.data.tokenizer import blank_controls
 from summarizer.decode.inference import check_beam, eval_checkpoint, load_model, summary_text
@@ -68,12 +68,6 @@ def input_lines(stream, cap: int) -> Iterator[tuple[bytes, bool] | None]:
         cut = _keep(line, rest, cap) or cut
     if line or cut:
         yield _whole(line, cut, end, cap)
-
-
-def visible(text: str) -> bool:
-    """Whether `text` holds a character that shows: not a space, control or format character (a byte-order
-    mark, a zero-width space), which str.strip() keeps and the tokenizer drops. A line without one is blank."""
-    return any(unicodedata.category(ch)[0] not in "ZC" for ch in text)
 
 
 def ready(stream) -> bool:

@@ -375,3 +375,21 @@ def test_summarize_with_standard_output_closed_is_one_clear_message(trained_run)
                           pass_fds=(), close_fds=True, preexec_fn=lambda: os.close(1))
     err = proc.stderr.decode()
     assert proc.returncode == 2 and "Traceback" not in err and "standard output, which is closed" in err, err[-2000:]
+
+
+def test_a_pair_without_visible_text_is_refused_with_its_line(tmp_path):
+    """A blank source has nothing to summarise (eval made a summary of nothing up, where summarize prints an empty
+    line), and a blank reference scores every summary 0: each is a fault of the file, named with its line."""
+    from summarizer.data.pairs import read_pairs_file
+    from summarizer.errors import DataError
+    good = {"source": "the mayor opened a park", "target": "mayor opens park"}
+    for bad, needle in (({"source": " \u200b ", "target": "x y"}, "the source is empty"),
+                        ({"source": "a b c", "target": ""}, "the reference 1 is empty"),
+                        ({"source": "a b", "target": "a", "references": ["a b", "\t"]}, "the reference 2 is empty"),
+                        ({"source": "", "target": " "}, "the source and reference 1 are empty")):
+        path = tmp_path / "pairs.jsonl"
+        path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+        with pytest.raises(DataError, match=f"pairs.jsonl:2: {needle}"):
+            read_pairs_file(path)
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"source": "a b c", "target": ""}) + "\n")
+    assert [p["source"] for p in read_pairs_file(path, need_target=False)] == [good["source"], "a b c"]

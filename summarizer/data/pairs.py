@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import unicodedata
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,11 +38,19 @@ def parse_record(raw: bytes) -> dict | str:
     return record if isinstance(record, dict) else f"expected a JSON object, got {type(record).__name__}"
 
 
+def visible(text: str) -> bool:
+    """Whether `text` holds a character that shows: not a space, control or format character (a byte-order
+    mark, a zero-width space), which str.strip() keeps and the tokenizer drops. A line without one is blank."""
+    return any(unicodedata.category(ch)[0] not in "ZC" for ch in text)
+
+
 def read_pairs_file(path: str | Path, need_target: bool = True) -> list[dict]:
     """Every pair of a pairs file as {"source", "target", "references"} (references defaults to [target]).
 
     Blank lines are skipped. A line that is not a JSON object, lacks a text `source` (or `target`, when
-    `need_target`), or whose `references` is not a list of texts, is an error naming file and line.
+    `need_target`), or whose `references` is not a list of texts, is an error naming file and line; so is a
+    source, target or reference without a visible character (a summary of nothing, a reference every summary
+    scores 0 against).
     """
     pairs = []
     for number, raw in numbered_lines(path):
@@ -61,6 +70,12 @@ def read_pairs_file(path: str | Path, need_target: bool = True) -> list[dict]:
         if missing:
             raise DataError(f"{path}:{number}: no text field {' or '.join(repr(f) for f in missing)} (it has "
                             f"{sorted(record)}): a pairs file holds source, target and optional references")
+        empty = [name for name, text in (("source", record["source"]), *((f"reference {i}", r) for i, r in
+                                                                         enumerate(refs, start=1) if need_target))
+                 if not visible(text)]
+        if empty:
+            raise DataError(f"{path}:{number}: the {' and '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty "
+                            f"(no visible character): fix or remove that line")
         pairs.append({"source": record["source"], "target": record.get("target") or (refs[0] if refs else ""),
                       "references": refs})
     if not pairs:
