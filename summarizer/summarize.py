@@ -19,6 +19,7 @@ from summarizer.decode.inference import check_beam, eval_checkpoint, load_model,
 from summarizer.decode.lexicon import lexicon
 from summarizer.decode.quantize import decoding_precision
 from summarizer.decode.search import copied_unknowns, decode_all
+from summarizer.errors import DataError
 
 CHUNK_LINES = 256  # lines read, decoded and written at a time at most: memory stays constant, output flows
 WAITING = None  # input_lines: the lines so far are all the input has now (reading on would wait for more)
@@ -54,6 +55,8 @@ def input_lines(stream, cap: int) -> Iterator[tuple[bytes, bool] | None]:
         head += piece or b""
         if b"\n" in head or len(head) >= MAC_WINDOW:
             break
+    if (wide := wide_encoding(head)) is not None:
+        raise DataError(f"the input is {wide} text, not UTF-8: convert it first (iconv -f {wide} -t UTF-8 FILE)")
     end = b"\r" if b"\r" in head and b"\n" not in head and b"\0" not in head else b"\n"
     line, cut = bytearray(), False
     for piece in itertools.chain([head], pieces):
@@ -98,6 +101,24 @@ def chunks(lines: Iterable[tuple[bytes, bool] | None], size: int) -> Iterator[li
             chunk = []
     if chunk:
         yield chunk
+
+
+def wide_encoding(head: bytes) -> str | None:
+    """"UTF-16" or "UTF-32" where an input starting with `head` is text in one (read as UTF-8, each line would be
+    spaced letters, and its \n's NUL would start a line of its own): its byte-order mark, or a NUL in each byte
+    of all lanes but one, as a text of mostly ASCII characters has them (binary data has a NUL in 1 byte of 256);
+    else None."""
+    for bom, name in ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+                      (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16")):
+        if head.startswith(bom):
+            return name
+    sample = head[:4096]
+    for width, name in ((4, "UTF-32"), (2, "UTF-16")):
+        if len(sample) >= 4 * width:
+            lanes = sorted(sample[lane::width].count(0) / len(sample[lane::width]) for lane in range(width))
+            if lanes[0] < 0.1 and lanes[1] > 0.9:
+                return name
+    return None
 
 
 def _keep(line: bytearray, part: bytes, cap: int) -> bool:

@@ -84,6 +84,21 @@ def test_a_long_line_is_read_in_pieces_cut_named_once_and_gives_one_line(trained
                      err) and "input line 1" not in err
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le"])
+def test_utf16_or_utf32_input_is_refused_with_how_to_convert_it(encoding):
+    """Read as UTF-8, UTF-16 text gives lines of spaced letters and an extra line from each \n's NUL: it is told
+    apart (by its byte-order mark, or by NULs in every byte of all lanes but one) and refused before any
+    output. Binary data, NULs inside UTF-8 text and lines of NULs are not."""
+    from summarizer.errors import DataError
+    text = "the storm hit the coast on monday .\nfire kills two in paris .\n"
+    with pytest.raises(DataError, match=f"the input is UTF-{encoding[4:6]} text, not UTF-8: convert it first "
+                                        f"\\(iconv -f UTF-{encoding[4:6]} -t UTF-8"):
+        list(summarize.input_lines(io.BytesIO(text.encode(encoding)), 100))
+    binary = bytes(b for b in random.Random(1).randbytes(5200) if b != ord("\n"))
+    for data in (binary, b"acme\0fell\0\0 on friday .\n", b"\0\0\0\0\n\0\n"):
+        assert summarize.wide_encoding(data) is None
+
+
 def test_nul_bytes_inside_a_line_are_spaces(trained_run):
     with_nuls = run(trained_run, b"acme corp shares\0fell 3.5 percent\0\0 on friday .\n")
     with_spaces = run(trained_run, b"acme corp shares fell 3.5 percent   on friday .\n")
