@@ -13,7 +13,7 @@ from tqdm import tqdm
 from summarizer import runtime
 from summarizer.config.schema import Config
 from summarizer.data.pairs import visible
-from summarizer.data.prepared import check_data_settings, open_tokenizer, read_meta
+from summarizer.data.prepared import open_tokenizer, read_meta
 from summarizer.data.tokenizer import blank_controls
 from summarizer.decode.inference import check_beam, eval_checkpoint, load_model, summary_text
 from summarizer.decode.lexicon import lexicon
@@ -168,7 +168,6 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     rt = runtime.setup(cfg.system, cfg.placement, decoding_precision(cfg))
     meta = read_meta(cfg.data.dir)
     check_beam(cfg, meta)
-    check_data_settings(cfg.data, meta)
     tokenizer = open_tokenizer(cfg.data.dir, meta)
     model, _ = load_model(eval_checkpoint(cfg), rt, meta, cfg.eval.quantize)
     norm = meta["normalization"]

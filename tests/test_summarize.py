@@ -99,6 +99,14 @@ def test_utf16_or_utf32_input_is_refused_with_how_to_convert_it(encoding):
         assert summarize.wide_encoding(data) is None
 
 
+def test_data_keys_only_prep_reads_are_no_concern_of_decoding(trained_run):
+    """Normalisation and vocabulary come from the prepared data and the checkpoint, never from the config's data
+    keys: summarize decodes as eval does whatever those say (a config of other data, e.g. tiny.yaml beside
+    data/gw), where it used to refuse what eval accepts."""
+    line = b"the mayor opened a new park on monday .\n"
+    assert run(trained_run, line, "data.vocab_size=999", "data.lowercase=false") == run(trained_run, line)
+
+
 def test_nul_bytes_inside_a_line_are_spaces(trained_run):
     with_nuls = run(trained_run, b"acme corp shares\0fell 3.5 percent\0\0 on friday .\n")
     with_spaces = run(trained_run, b"acme corp shares fell 3.5 percent   on friday .\n")
