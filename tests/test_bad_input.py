@@ -275,7 +275,7 @@ def test_each_input_mistake_of_the_second_round_is_one_clear_message(trained_run
         "is a directory: give a pairs file": ["eval", *args, f"eval.pairs={tmp_path}",
                                               f"eval.out_dir={tmp_path / 'e3'}"],
         "lacks config, data_meta": ["eval", *args, f"eval.checkpoint={ckpt}", f"eval.out_dir={tmp_path / 'e4'}"],
-        "quote it to keep it text: run.name='2024'": ["eval", *args, "run.name=2024"],
+        "quote the value to keep it as written (run.name='...' in an override": ["eval", *args, "run.name=2024"],
         "override 'configs/tiny.yaml' must look like key.sub=value (a config file is given as --config "
         "configs/tiny.yaml)": ["eval", *args, "configs/tiny.yaml"],
         "data.splits.valid must be a list": ["eval", *args, "data.splits={train: [train], valid: }"],

@@ -47,6 +47,10 @@ def test_defaults_then_yaml_then_overrides(tmp_path):
     ("lr=1e-3", "Did you mean 'train.lr'"),
     ("eval.device=cpu", "Did you mean 'system.device'"),
     ("data.spm_character_coverage=5", "data.spm_character_coverage must be <= 1"),
+    ("run.name=on", r"run.name must be str, got True \(bool\); YAML reads .* quote the value to keep it as written "
+                    r"\(run.name='...' in an override"),
+    ("run.name=2024-01-05", r"got datetime.date\(2024, 1, 5\) \(date\); YAML reads an unquoted number, date"),
+    ("run.name=0x10", r"got 16 \(int\); YAML reads an unquoted number"),
 ])
 def test_bad_values_name_the_key_and_fix(override, message):
     with pytest.raises(ConfigError, match=message):

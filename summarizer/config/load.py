@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import re
 import sys
@@ -61,7 +62,9 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         return value
     if isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
         return value
-    hint = f"; quote it to keep it text: {key}='{value}'" if origin is str and isinstance(value, (int, float)) else ""
+    hint = (f"; YAML reads an unquoted number, date, or yes/no/on/off/true/false as one: quote the value to keep it "
+            f"as written ({key}='...' in an override, '...' in a file)"
+            if origin is str and isinstance(value, (int, float, datetime.date)) else "")
     if origin is int and isinstance(value, float) and math.isfinite(value) and value.is_integer():
         hint = f"; write it as {int(value)}"
     raise ConfigError(
