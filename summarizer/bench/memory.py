@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import signal
 
 import torch
 
@@ -96,11 +97,14 @@ def peak_memory(cfg: Config, variant: str, steps: int, batch_tokens: int | None 
 
 
 def fits(cfg: Config, batch_tokens: int, budget_mb: float) -> bool:
-    """Does one training step at `batch_tokens` (worst-case lengths) fit? CUDA: no OOM; CPU: under budget."""
+    """Does one training step at `batch_tokens` (worst-case lengths) fit? CUDA: no OOM; CPU: under budget. A step
+    that failed for another reason than memory raises: it says nothing of the size that fits."""
     result = peak_memory(cfg, "train", 1, batch_tokens)
-    if "error" in result:
-        return False
-    return result["peak_mb"] <= budget_mb
+    if "error" not in result:
+        return result["peak_mb"] <= budget_mb
+    if "memory" in result["error"].lower() or result["error"].endswith(f"code {-signal.SIGKILL}"):
+        return False  # torch's OutOfMemoryError, MemoryError, or the out-of-memory killer's SIGKILL
+    raise RuntimeError(f"a training step at data.batch_tokens={batch_tokens} failed: {result['error']}")
 
 
 def largest_batch_tokens(cfg: Config, budget_mb: float, start: int, limit: int) -> tuple[int, list]:

@@ -21,6 +21,7 @@ from summarizer.bench.decoding import (
 )
 from summarizer.bench.training import memory_row, second_epoch_rates, training_rates, variant
 from summarizer.config.schema import Config
+from summarizer.errors import ConfigError
 from summarizer.outputs import atomic_write, claim_dir
 
 
@@ -158,7 +159,7 @@ NOT_HERE = {"precision_bf16": "no fast bf16 on this device", "decode_bf16": "no 
             "memory_precision": "no 16-bit mode worth measuring on this device"}
 
 
-AFTER_ROWS = ("decode_file", "decode_profile")  # rows that are not an on/off pair
+AFTER_ROWS = ("decode_file", "decode_profile", "max_batch_tokens")  # rows that are not an on/off pair
 
 
 def _fmt(s: dict) -> str:
@@ -173,10 +174,14 @@ def run_bench(cfg: Config) -> list[dict]:
     wanted = cfg.bench.rows or list(table) + [n for n in NOT_HERE if n not in table] + list(AFTER_ROWS)
     unknown = [n for n in wanted if n not in table and n not in NOT_HERE and n not in AFTER_ROWS]
     if unknown:
-        from summarizer.errors import ConfigError
         raise ConfigError(f"unknown bench rows {unknown}; choose from "
                           f"{sorted(set(table) | set(NOT_HERE) | set(AFTER_ROWS))}")
     check_weights(cfg)
+    search = "max_batch_tokens" in wanted and bool(cfg.bench.find_batch_tokens or cfg.bench.rows)
+    if search and cfg.data.batch_tokens > cfg.bench.max_batch_tokens:
+        raise ConfigError(f"bench.max_batch_tokens={cfg.bench.max_batch_tokens} is below data.batch_tokens="
+                          f"{cfg.data.batch_tokens}, where the search for the largest batch that fits starts: "
+                          f"raise it, or leave the search out (bench.find_batch_tokens=false)")
     results = []
     for name in wanted:
         if results:  # the rows measured so far, kept should the bench be stopped or killed before its end
@@ -211,13 +216,21 @@ def run_bench(cfg: Config) -> list[dict]:
         print("bench: decode_profile (where a beam-4 default-eval decode spends its time) ...", file=sys.stderr,
               flush=True)
         results.append({"practice": "decode_profile", **profile_row(cfg)})
-    if cfg.bench.find_batch_tokens:
-        results.append(batch_search_row(cfg))
+    if search:
+        print("bench: max_batch_tokens (the largest data.batch_tokens whose worst-case step fits) ...",
+              file=sys.stderr, flush=True)
+        try:
+            results.append(batch_search_row(cfg))
+        except RuntimeError as exc:
+            results.append({"practice": "max_batch_tokens", "compared": "largest data.batch_tokens whose "
+                            "worst-case step fits", "error": str(exc)[:300]})
     write_outputs(cfg, results)
     return results
 
 
 def batch_search_row(cfg: Config) -> dict:
+    """The largest data.batch_tokens whose worst-case training step fits in memory, searched from data.batch_tokens
+    up to bench.max_batch_tokens, with the learning rates the linear and square-root rules give it."""
     device = runtime.resolve_device(cfg.system.device)
     budget = bench_memory.memory_budget_mb(device)
     found, trials = bench_memory.largest_batch_tokens(cfg, budget, cfg.data.batch_tokens, cfg.bench.max_batch_tokens)

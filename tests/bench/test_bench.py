@@ -72,7 +72,8 @@ def test_memory_rows_show_what_the_guides_warn_about(cfg):
 @pytest.mark.slow
 def test_batch_search_doubles_then_bisects(cfg):
     cfg.bench.rows = ["pin_memory"]  # a row that is only reported as not measured on this machine
-    cfg.bench.max_batch_tokens = 1600
+    assert [r["practice"] for r in run_bench(cfg)] == ["pin_memory"]  # the search runs where it is asked for
+    cfg.bench.rows, cfg.bench.max_batch_tokens = ["pin_memory", "max_batch_tokens"], 1600
     results = run_bench(cfg)
     assert results[0] == {"practice": "pin_memory", "skipped": NOT_HERE["pin_memory"]} or "ratio" in results[0]
     search = results[-1]
@@ -80,6 +81,26 @@ def test_batch_search_doubles_then_bisects(cfg):
     assert [size for size, _ in search["trials"]][:3] == [400, 800, 1600]
     assert search["lr_linear_rule"] == pytest.approx(cfg.train.lr * search["batch_tokens"] / 400)
     assert "max_batch_tokens" in markdown(results)
+
+
+def test_the_batch_search_tells_memory_from_other_failures_and_refuses_an_empty_range(cfg, monkeypatch):
+    """Only running out of memory means a size does not fit; any other failure of the trial step is the row's
+    error, not a size of 0. A bound below the start searches nothing: refused before any row runs."""
+    from summarizer.bench import memory
+    outcomes = {"OutOfMemoryError: CUDA out of memory": False, "MemoryError: ": False,
+                "process exited with code -9": False}
+    for error, fit in outcomes.items():
+        monkeypatch.setattr(memory, "peak_memory", lambda *args, error=error: {"error": error})
+        assert memory.fits(cfg, 800, 1e6) is fit
+    monkeypatch.setattr(memory, "peak_memory", lambda *args: {"error": "ValueError: bad vocabulary"})
+    with pytest.raises(RuntimeError, match="data.batch_tokens=800 failed: ValueError: bad vocabulary"):
+        memory.fits(cfg, 800, 1e6)
+    cfg.bench.rows = ["max_batch_tokens"]
+    [row] = run_bench(cfg)
+    assert row["practice"] == "max_batch_tokens" and "ValueError: bad vocabulary" in row["error"]
+    cfg.bench.max_batch_tokens = 200
+    with pytest.raises(ConfigError, match="bench.max_batch_tokens=200 is below data.batch_tokens=400"):
+        run_bench(cfg)
 
 
 def test_unknown_row_is_refused_with_every_name(cfg):
