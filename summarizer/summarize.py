@@ -169,7 +169,7 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
     meta = read_meta(cfg.data.dir)
     check_beam(cfg, meta)
     tokenizer = open_tokenizer(cfg.data.dir, meta)
-    model, _ = load_model(eval_checkpoint(cfg), rt, meta, cfg.eval.quantize)
+    model, _ = load_model(eval_checkpoint(cfg), rt, meta, cfg.eval.quantize, cfg)
     norm = meta["normalization"]
     cap = BYTES_PER_TOKEN * cfg.data.max_source_len
     bar = tqdm(unit=" lines", desc="summarize", file=sys.stderr, disable=True if quiet else None)

@@ -342,3 +342,41 @@ def test_on_a_gpu_a_few_sentences_are_decoded_before_the_clock_starts(monkeypatc
     assert decoded == []
     ev.warm_up(None, ids, cfg, Runtime(torch.device("cuda"), torch.device("cuda"), "fp32"), None)
     assert decoded == [8]
+
+
+def test_lengths_past_the_checkpoints_own_position_table_are_refused_in_one_message(trained_tiny, capsys):
+    """The current config's model.max_positions says nothing of a checkpoint's: eval, summarize and bench check
+    eval.max_len and data.max_source_len against the positions of the model they restore."""
+    import io
+
+    from summarizer import runtime
+    from summarizer.__main__ import main
+    from summarizer.bench import decoding
+    from summarizer.config.load import load_config
+    from summarizer.errors import ConfigError
+    from summarizer.model import checkpoint
+    tmp, args = trained_tiny
+    state = checkpoint.load(tmp / "run" / "best.pt")
+    state["config"]["model"]["max_positions"] = 40  # the table is a buffer, not a weight: the state still loads
+    short = tmp / "short_positions.pt"
+    torch.save(state, short)
+    fits = [f"eval.checkpoint={short}", "eval.max_len=38", "data.max_source_len=40", "eval.limit=2"]
+    assert main(["eval", *args, *fits, f"eval.out_dir={tmp / 'short_ok'}"]) == 0
+    too_long = {"eval.max_len=39": ("eval.max_len=39 needs 41 positions", "at most 38"),
+                "data.max_source_len=41": ("data.max_source_len=41 needs 41 positions", "at most 40")}
+    for override, (needs, fix) in too_long.items():
+        words = ("known_words", "no_repeat_words")  # off: only the position table can refuse the lengths
+        over = [*fits, override, *(f"eval.{w}=false" for w in words)]
+        assert main(["eval", *args, *over, f"eval.out_dir={tmp / 'short'}"]) == 2
+        err = capsys.readouterr().err
+        assert needs in err and "has 40" in err and fix in err and "Traceback" not in err
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"The Mayor of Springfield opened 3 parks .\n")))
+            assert main(["summarize", *args, *over]) == 2
+        assert needs in capsys.readouterr().err
+        cfg = load_config(args[1], [*args[2:], *over, f"bench.checkpoint={short}"])
+        rt = runtime.setup(cfg.system, cfg.placement, "fp32")
+        with pytest.raises(ConfigError, match=needs):
+            decoding._model(cfg, rt)
+        with pytest.raises(ConfigError, match=needs):
+            decoding.file_row(cfg)

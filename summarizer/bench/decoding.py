@@ -58,7 +58,7 @@ def _model(cfg: Config, rt: runtime.Runtime, quantize: str = "none"):
     data), or a fresh model if there are none (speed only)."""
     path = weights(cfg)
     if path.is_file():
-        return load_model(path, rt, read_meta(cfg.data.dir), quantize)[0]
+        return load_model(path, rt, read_meta(cfg.data.dir), quantize, cfg)[0]
     torch.manual_seed(cfg.train.seed)
     model = build(cfg, rt, read_meta(cfg.data.dir))[0].cpu()
     return decoding_form(runtime.unwrap(model), rt, quantize).to(rt.device).eval()
@@ -256,7 +256,7 @@ def file_row(cfg: Config) -> dict:
     meta = read_meta(cfg.data.dir)
     tokenizer = open_tokenizer(cfg.data.dir, meta)
     name, _, ids = read_eval_pairs(cfg, meta, tokenizer)
-    model, _ = load_model(weights(cfg), rt, meta, cfg.eval.quantize)
+    model, _ = load_model(weights(cfg), rt, meta, cfg.eval.quantize, cfg)
     lex = lexicon(cfg.data.dir)
     startup = time.perf_counter() - started
     settings = {f"beam {beam}": dataclasses.replace(cfg.eval, beam_size=beam) for beam in (1, 4)}

@@ -18,10 +18,12 @@ from summarizer.runtime import Runtime
 from summarizer.runtime.placement import place_model
 
 
-def load_model(path: str | Path, rt: Runtime, meta: dict, quantize: str = "none") -> tuple[torch.nn.Module, dict]:
+def load_model(path: str | Path, rt: Runtime, meta: dict, quantize: str = "none",
+               cfg: Config | None = None) -> tuple[torch.nn.Module, dict]:
     """The checkpoint's own model (its config, not the current one), placed, in eval mode, int8 if
     `quantize` (eval.quantize) says so, and (path, step, quantize as resolved); refused if `meta` (the data
-    it will read) has another tokenizer."""
+    it will read) has another tokenizer, or if `cfg` would decode longer sequences than it has positions for
+    (`check_positions`)."""
     try:
         state = checkpoint.require_model(checkpoint.load(path), path)
     except CheckpointError as exc:
@@ -32,8 +34,24 @@ def load_model(path: str | Path, rt: Runtime, meta: dict, quantize: str = "none"
                               f"{', '.join(str(p) for p in others)}; use one with eval.checkpoint=PATH") from None
     checkpoint.check_tokenizer(state["data_meta"], meta, f"checkpoint {path}")
     quantize = resolve_quantize(quantize, rt)
-    model = decoding_form(checkpoint.restore_model(state), rt, quantize)
+    model = checkpoint.restore_model(state)
+    if cfg is not None:
+        check_positions(model.cfg.max_positions, cfg, path)
+    model = decoding_form(model, rt, quantize)
     return place_model(model, rt).eval(), {"path": str(path), "step": state["step"], "quantize": quantize}
+
+
+def check_positions(positions: int, cfg: Config, path: str | Path) -> None:
+    """Refuse settings that would feed a model with `positions` positions (the checkpoint's own
+    model.max_positions, which the current config's does not change) a longer sequence: a source of
+    data.max_source_len pieces, or a summary of eval.max_len pieces after BOS and before EOS."""
+    d, e = cfg.data, cfg.eval
+    for key, value, needed in (("data.max_source_len", d.max_source_len, d.max_source_len),
+                               ("eval.max_len", e.max_len, e.max_len + 2)):
+        if needed > positions:
+            raise ConfigError(f"{key}={value} needs {needed} positions, but the model of {path} has {positions} "
+                              f"(its model.max_positions, fixed at training): set {key} to at most "
+                              f"{value - needed + positions}")
 
 
 def check_beam(cfg: Config, meta: dict) -> None:

@@ -71,7 +71,7 @@ def evaluate(cfg: Config) -> dict:
     tokenizer = open_tokenizer(cfg.data.dir, meta)
     name, pairs, ids = read_eval_pairs(cfg, meta, tokenizer)
     ckpt = eval_checkpoint(cfg)
-    model, source = load_model(ckpt, rt, meta, cfg.eval.quantize)
+    model, source = load_model(ckpt, rt, meta, cfg.eval.quantize, cfg)
     # a run's dir holds the eval of its own weights only: another run's predictions and rouge.json stay its own
     own_run = ckpt.resolve().parent == out_dir.resolve()
     claim_dir(out_dir, "eval", "eval.out_dir", also=("run", "overfit") if own_run else (),
