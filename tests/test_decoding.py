@@ -363,6 +363,34 @@ def test_minimum_length_never_exceeds_the_source():
         assert allowed[:, 3].tolist() == ends, step  # 3: EOS
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["apply", "apply_at"])
+def test_byte_minimum_holds_from_the_first_step_and_never_comes_back(lexicon_and_model, static):
+    """With eval.truncate_bytes, EOS waits for the summary to fill the budget, or, for a source shorter than it,
+    to be as long as its source: from the first step (a short source's summary does not end with nothing
+    written), and once a row may end it may end at every later step. The same in both searches' rules."""
+    from summarizer.decode.rules import Rules
+    tokenizer, _, lex, _, _, _ = lexicon_and_model
+    src = padded(tokenizer, ["the government of france said monday it would cut fuel taxes .", "rain ."])
+    budget, s = 40, settings(min_len=8, max_len=30, truncate_bytes=40)
+    rules = Rules(src, 1, s, lex, capacity=s.max_len + 1 if static else 0)
+    piece = tokenizer.encode("the")[0]
+    written = int(lex.piece_bytes[piece])  # bytes a row writes a step, its word-start space counted
+    source_bytes = lex.piece_bytes[src].sum(dim=1).tolist()
+    source_pieces = (src != PAD).sum(dim=1).tolist()
+    tokens = torch.full((2, s.max_len + 1), piece)
+    for step in range(s.max_len):
+        scores = torch.zeros(2, tokenizer.vocab_size)
+        out = rules.apply_at(scores, torch.tensor(step), tokens) if static else \
+            rules.apply(scores, step, tokens[:, :step])
+        may_end = (out[:, EOS] > float("-inf")).tolist()
+        for row in range(2):
+            expected = step >= min(s.min_len, source_pieces[row]) and \
+                step * written >= min(budget + 1, source_bytes[row])
+            assert may_end[row] == expected, (row, step)
+        rules.advance(torch.arange(2), torch.full((2,), piece))
+    assert source_bytes[1] < budget < source_bytes[0]  # one source of each kind was checked
+
+
 def _words(lex, hyp: list[int]) -> tuple[list[list[int]], list[int]]:
     """`hyp` as words of pieces: (the finished ones, the one being spelled)."""
     words, current = [], []

@@ -120,7 +120,7 @@ def test_a_static_step_reads_nothing_back_and_updates_its_tensors_in_place(tiny_
     words = ("pieces", "length", "node", "f1", "h1", "finished", "used", "column")
 
     def carried():
-        tensors = [getattr(step, n) for n in kept] + [rules.bytes, rules.min_len] + \
+        tensors = [getattr(step, n) for n in kept] + [rules.owed, rules.min_len] + \
             [getattr(rules.words, n) for n in words] + [k for k, _ in state.self_kv]
         return [(t.data_ptr(), tuple(t.shape)) for t in tensors]
 

@@ -45,9 +45,12 @@ def _block_repeats_at(log_probs: Tensor, tokens: Tensor, length: Tensor, n: int)
 
 class Rules:
     """What both searches forbid at each step, for the rows of one batch: PAD and BOS always; EOS before
-    `min_len` tokens or the source's own length, whichever is shorter (and, with `min_bytes`, before the
-    summary fills that many bytes); anything but EOS at `max_len`; a repeated piece n-gram; and, with
-    `words`, pieces that would spell an unknown or a repeated word (summarizer/decode/constraints.py). Rows
+    `min_len` tokens or the source's own length, whichever is shorter, and, with `truncate_bytes` and a lexicon,
+    before the summary fills that many bytes or, for a source shorter than that, as many bytes as the source
+    itself (as `min_len` never holds a summary past its source's length, a two-word line is not made to ramble
+    on to the budget); anything but EOS at `max_len`; a repeated piece n-gram; and, with `words`, pieces that
+    would spell an unknown or a repeated word (summarizer/decode/constraints.py). Both minimums hold from the
+    first step and only ever let go: once a row may end, it may end at every later step. Rows
     follow their beams via `advance` and `select`. With a `capacity` (steps), every step keeps the state's tensors
     and updates them in place, and `apply_at` takes the step as a tensor: one CUDA graph replays every step
     (summarizer/decode/static.py)."""
@@ -60,7 +63,12 @@ class Rules:
         # for the device, at every step
         self.piece_bytes = lexicon.on(src_ids.device).piece_bytes if lexicon is not None else None
         self.never = torch.tensor([PAD, BOS], device=src_ids.device)
-        self.bytes = torch.zeros(src_ids.shape[0] * group, device=src_ids.device)  # (R,) UTF-8 bytes so far
+        # (R,) UTF-8 bytes each row must still write before EOS: the minimum, counting the first piece's word-start
+        # space (not written), but never more than the row's own source holds (its pieces counted the same way)
+        self.owed = torch.zeros(src_ids.shape[0], device=src_ids.device)
+        if self.min_bytes:
+            self.owed = self.piece_bytes[src_ids].sum(dim=1).clamp(max=self.min_bytes + 1)
+        self.owed = self.owed.repeat_interleave(group)
         # (R,) the fewest tokens before EOS: min_len, but never more than the row's own source has.
         self.min_len = (src_ids != PAD).sum(dim=1).clamp(max=settings.min_len).repeat_interleave(group)
         self.words = None
@@ -76,8 +84,8 @@ class Rules:
             self.words.mask(log_probs)
         if step < self.s.min_len:
             log_probs[:, EOS].masked_fill_(step < self.min_len, float("-inf"))
-        elif self.min_bytes:  # the first piece's word-start space is not written
-            log_probs[:, EOS].masked_fill_(self.bytes < self.min_bytes + 1, float("-inf"))
+        if self.min_bytes:
+            log_probs[:, EOS].masked_fill_(self.owed > 0, float("-inf"))
         if step >= self.s.max_len:
             eos = log_probs[:, EOS].clone()
             log_probs.fill_(float("-inf"))
@@ -90,8 +98,7 @@ class Rules:
         log_probs.index_fill_(1, self.never, float("-inf"))
         if self.words is not None:
             self.words.mask(log_probs)
-        short = self.bytes < self.min_bytes + 1 if self.min_bytes else torch.zeros_like(self.min_len, dtype=torch.bool)
-        log_probs[:, EOS].masked_fill_(torch.where(step < self.s.min_len, step < self.min_len, short), float("-inf"))
+        log_probs[:, EOS].masked_fill_((step < self.min_len) | (self.owed > 0), float("-inf"))
         eos, last = log_probs[:, EOS].clone(), step >= self.s.max_len
         log_probs.masked_fill_(last, float("-inf"))
         log_probs[:, EOS] = torch.where(last, torch.where(torch.isinf(eos), 0.0, eos), eos)
@@ -99,12 +106,12 @@ class Rules:
 
     def advance(self, parents: Tensor, tokens: Tensor, group: int | None = None) -> None:
         """Row i now continues row parents[i] with tokens[i]; `group` rows per sentence from now on if given."""
-        grown = self.bytes[parents] + self.piece_bytes[tokens] if self.piece_bytes is not None else self.bytes[parents]
+        owed = self.owed[parents] - self.piece_bytes[tokens] if self.piece_bytes is not None else self.owed[parents]
         if self.fixed:
-            self.bytes.copy_(grown)
+            self.owed.copy_(owed)
             self.min_len.copy_(self.min_len[parents])
         else:
-            self.bytes, self.min_len = grown, self.min_len[parents]
+            self.owed, self.min_len = owed, self.min_len[parents]
         if self.words is not None:
             self.words.advance(parents, tokens, group)
 
@@ -114,7 +121,7 @@ class Rules:
         return self.words.cut(rows) if self.words is not None else torch.zeros_like(rows)
 
     def select(self, rows: Tensor, sentences: Tensor) -> None:
-        self.bytes, self.min_len = self.bytes[rows], self.min_len[rows]
+        self.owed, self.min_len = self.owed[rows], self.min_len[rows]
         if self.words is not None:
             self.words.select(rows, sentences)
 
