@@ -15,7 +15,7 @@ from summarizer.config.schema import Config
 from summarizer.data.pairs import visible
 from summarizer.data.prepared import open_tokenizer, read_meta
 from summarizer.data.tokenizer import blank_controls
-from summarizer.decode.inference import check_beam, eval_checkpoint, load_model, summary_text
+from summarizer.decode.inference import check_beam, copied_numbers, eval_checkpoint, load_model, summary_text
 from summarizer.decode.lexicon import lexicon
 from summarizer.decode.quantize import decoding_precision
 from summarizer.decode.search import copied_unknowns, decode_all
@@ -189,8 +189,10 @@ def summarize_stream(cfg: Config, stdin, stdout, quiet: bool = False) -> dict:
             sources.append(ids[:cfg.data.max_source_len])
         hyps = decode_all(model, sources, cfg.eval, rt, lexicon=lexicon(cfg.data.dir))
         copied = copied_unknowns(model, sources, hyps, rt) if cfg.eval.readable else [None] * len(hyps)
-        stdout.write("".join((summary_text(h, text, tokenizer, meta, cfg.eval.truncate_bytes, c)
-                              if visible(text) else "") + "\n" for text, h, c in zip(chunk, hyps, copied, strict=True)))
+        numbers = copied_numbers(model, sources, hyps, chunk, tokenizer, meta, rt)
+        stdout.write("".join((summary_text(h, text, tokenizer, meta, cfg.eval.truncate_bytes, c, n)
+                              if visible(text) else "") + "\n"
+                             for text, h, c, n in zip(chunk, hyps, copied, numbers, strict=True)))
         stdout.flush()
         lines += len(chunk)
         bar.update(len(chunk))

@@ -86,6 +86,97 @@ def test_an_unknown_piece_is_written_as_the_source_characters_the_copy_head_took
     assert summary_text(hyp, source, tokenizer, meta, 0) == tokenizer.decode(hyp)  # the scored form: unchanged
 
 
+NUMBERS = "Profit rose 15 percent in 2019 as sales fell 12 percent"  # two numbers masked alike, `##`
+
+
+def _word_positions(pieces: list[str], word: int) -> list[int]:
+    """The positions of the pieces of the `word`-th word (from 0) of `pieces`."""
+    starts = [i for i, p in enumerate(pieces) if p.startswith("\u2581")] + [len(pieces)]
+    return list(range(starts[word], starts[word + 1]))
+
+
+def test_a_masked_number_gets_the_digits_the_copy_head_took_not_the_first_of_its_form(tiny_prepared):
+    from summarizer.decode.inference import copied_numbers
+    tokenizer, meta = open_tokenizer(tiny_prepared), read_meta(tiny_prepared)
+    norm = meta["normalization"]
+    src, pieces = tokenizer.encode_raw(NUMBERS, norm), tokenizer.pieces_raw(NUMBERS, norm)
+    hyp = tokenizer.encode("sales fall ## percent")
+    hyp_pieces = [tokenizer.sp.id_to_piece(i) for i in hyp]
+    rt = runtime.setup(SystemConfig(device="cpu"), PlacementConfig(), "fp32")
+    for number, word in (("12", 9), ("15", 2)):  # "12" is the source's 10th word, "15" its 3rd
+        looks = [0] * (len(hyp) + 1)
+        for t in _word_positions(hyp_pieces, 2):  # the pieces of `##`, looking at the number's first piece
+            looks[t] = _word_positions(pieces, word)[0]
+        numbers = copied_numbers(Pointing(looks), [src], [hyp], [NUMBERS], tokenizer, meta, rt)
+        assert numbers == [[number]]
+        assert summary_text(hyp, NUMBERS, tokenizer, meta, 0, numbers=numbers[0]) == f"sales fall {number} percent"
+        assert summary_text(hyp, NUMBERS, tokenizer, meta, 0, {}, numbers[0]) == f"Sales fall {number} percent"
+
+
+class Uncopying(Pointing):
+    """A model without a copy head."""
+
+    def decoder_output(self, tgt_in, memory, src_ids, state=None):
+        return DecoderOutput(torch.zeros(1, tgt_in.shape[1], 8), None, None)
+
+
+class Unused(Pointing):
+    def decoder_output(self, *args, **kwargs):
+        raise AssertionError("a model pass for a summary that needs no choice")
+
+
+def test_without_a_copy_head_a_number_of_an_ambiguous_form_stays_masked(tiny_prepared):
+    from summarizer.decode.inference import copied_numbers
+    tokenizer, meta = open_tokenizer(tiny_prepared), read_meta(tiny_prepared)
+    src, hyp = tokenizer.encode_raw(NUMBERS, meta["normalization"]), tokenizer.encode("sales fall ## percent")
+    rt = runtime.setup(SystemConfig(device="cpu"), PlacementConfig(), "fp32")
+    assert copied_numbers(Uncopying([]), [src], [hyp], [NUMBERS], tokenizer, meta, rt) == [None]
+    assert summary_text(hyp, NUMBERS, tokenizer, meta, 0) == "sales fall ## percent"
+    assert summary_text(hyp, NUMBERS, tokenizer, meta, 0, {}) == "Sales fall ## percent"
+    assert readable("sales fall ## percent", NUMBERS) == "Sales fall ## percent"  # nor does the readable form guess
+    # one number of the form, or none masked in the summary: restored (or left) without any model pass
+    unique = tokenizer.encode("profit up #### percent")
+    assert copied_numbers(Unused([]), [src, src], [unique, tokenizer.encode("sales fall")], [NUMBERS] * 2,
+                          tokenizer, meta, rt) == [None, None]
+    assert summary_text(unique, NUMBERS, tokenizer, meta, 0) == "profit up 2019 percent"
+
+
+def test_eval_and_summarize_write_the_number_the_copy_head_took(trained_run, monkeypatch, capsys):
+    """Both commands, scored and readable forms: the summary's `##` is the source's second number of that form,
+    where the copy head looked, not its first."""
+    import io
+    import json
+
+    from summarizer import summarize
+    from summarizer.__main__ import main
+    from summarizer.decode import inference
+    from summarizer.evaluation import evaluate
+    tmp, args = trained_run
+    tokenizer, meta = open_tokenizer(tmp / "data"), read_meta(tmp / "data")
+    pieces = tokenizer.pieces_raw(NUMBERS, meta["normalization"])
+    hyp = tokenizer.encode("sales fall ## percent")
+    hyp_pieces = [tokenizer.sp.id_to_piece(i) for i in hyp]
+
+    def attention(model, source, written, rt):
+        attn = torch.full((len(written), len(source)), 0.01)
+        attn[_word_positions(hyp_pieces, 2), _word_positions(pieces, 9)[0]] = 0.9  # `##` looks at "12"
+        return attn
+
+    monkeypatch.setattr(inference, "copy_attention", attention, raising=False)
+    for command in (evaluate, summarize):
+        monkeypatch.setattr(command, "decode_all", lambda model, sources, *a, **k: [hyp] * len(sources))
+    pairs = tmp / "numbers.jsonl"
+    pairs.write_text(json.dumps({"source": NUMBERS, "target": "sales fall 12 percent"}) + "\n")
+    assert main(["eval", *args, f"eval.pairs={pairs}", f"eval.out_dir={tmp / 'numbers'}"]) == 0
+    assert (tmp / "numbers" / "predictions.txt").read_text() == "sales fall 12 percent\n"
+    assert (tmp / "numbers" / "predictions.readable.txt").read_text() == "Sales fall 12 percent\n"
+    for readable_form, expected in (("true", "Sales fall 12 percent"), ("false", "sales fall 12 percent")):
+        capsys.readouterr()
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(NUMBERS.encode() + b"\n")))
+        assert main(["summarize", *args, f"eval.readable={readable_form}"]) == 0
+        assert capsys.readouterr().out == expected + "\n"
+
+
 def test_eval_writes_the_readable_form_beside_the_scored_one_and_summarize_can_print_either(trained_run, capsys,
                                                                                             monkeypatch):
     import io

@@ -159,3 +159,20 @@ def test_restore_digits_puts_back_what_masking_hid():
     # a raw source's numbers beside punctuation, as its words were split for the model (PTB): $, %, the full stop
     assert restore_digits("oil rises to $ ##.## , up # % from ####", "Oil rose to $75.50 a barrel, up 5% from 1999.") \
         == "oil rises to $ 75.50 , up 5 % from 1999"
+
+
+def test_restore_digits_never_guesses_between_several_numbers_of_one_form():
+    """A source with two numbers of a masked word's form: without the copy head's pick the word stays masked
+    (the first number would be a wrong one half the time); a pick names one of them; a lone form is restored."""
+    from summarizer.data.tokenizer import restore_digits
+    source = "Profit rose 15 percent in 2019 as sales fell 12 percent"
+    assert restore_digits("sales fall ## percent", source) == "sales fall ## percent"
+    assert restore_digits("sales fall ## percent in ####", source, [None, None]) == "sales fall ## percent in 2019"
+    assert restore_digits("sales fall ## percent in ####", source, ["12", None]) == "sales fall 12 percent in 2019"
+    assert restore_digits("## up , ## down", source, [None, "12"]) == "## up , 12 down"  # the k-th masked word
+    assert restore_digits("sales fall ## percent", source, ["99"]) == "sales fall ## percent"  # not the source's
+    # a number beside punctuation counts as one of the form too, though the words between spaces hold only `15`
+    assert restore_digits("sales fall ## percent", "Profit rose 15 percent, sales fell 12, analysts said") \
+        == "sales fall ## percent"
+    from summarizer.data.tokenizer import masked_numbers
+    assert masked_numbers(source, lower=True) == {"##": ["15", "12"], "####": ["2019"]}

@@ -75,26 +75,44 @@ def normalize_as(text: str, normalization: dict) -> str:
                      normalization.get("words", "none"))
 
 
-def restore_digits(summary: str, source: str) -> str:
-    """Undo digit masking where the source tells how: each masked word of `summary` (`##.#`) becomes the first
-    word of the raw `source` that masks to it (`12.5`), in the summary's case: a word between spaces, else one
-    as the Treebank tokenizer splits it from its punctuation (`$75.50,` holds `75.50`; `1999.` holds `1999`).
-    Words the source cannot explain stay as they are, so text whose digits were masked before it came in is
-    left unchanged."""
-    lower = summary == summary.lower()
-    originals: dict[str, str] = {}
+def masked_numbers(source: str, lower: bool) -> dict[str, list[str]]:
+    """Each masked form (`##.#`) of a word of the raw `source` that holds digits -> the distinct words that mask
+    to it, in source order (in lower case if `lower`): the words between spaces (`$75.50,`) and as the Treebank
+    tokenizer splits them from their punctuation (`75.50`), so a number is found however the summary's words
+    were split."""
+    numbers: dict[str, list[str]] = {}
+    if not _DIGIT_RE.search(source):  # most sources of a prepared split: their digits were masked at prep
+        return numbers
+    for word in [*source.split(), *ptb_words(source, digits_masked=False).split()]:
+        word = word.lower() if lower else word
+        masked = _DIGIT_RE.sub("#", word)
+        if masked != word and word not in numbers.setdefault(masked, []):
+            numbers[masked].append(word)
+    return numbers
 
-    def learn(words: list[str]) -> None:
-        for word in words:
-            word = word.lower() if lower else word
-            masked = _DIGIT_RE.sub("#", word)
-            if masked != word:
-                originals.setdefault(masked, word)
 
-    learn(source.split())
-    if any("#" in w and w not in originals for w in summary.split(" ")):
-        learn(ptb_words(source, digits_masked=False).split())
-    return " ".join(originals.get(w, w) for w in summary.split(" ")) if originals else summary
+def restore_digits(summary: str, source: str, picks: list[str | None] | None = None) -> str:
+    """Undo digit masking where the source tells how: each masked word of `summary` (`##.#`) becomes the word of
+    the raw `source` that masks to it (`12.5`; `masked_numbers`), in the summary's case. Where the source holds
+    one such number, that one; where it holds several (`15` and `12` for `##`), the one `picks` names for it (the
+    k-th entry for the summary's k-th word holding `#`: the number the copy head took it from,
+    inference.copied_numbers), and with no pick the word stays masked rather than take a number that may be the
+    wrong one. Words the source cannot explain stay as they are, so text whose digits were
+    masked before it came in is left unchanged."""
+    numbers = masked_numbers(source, lower=summary == summary.lower()) if "#" in summary else {}
+    if not numbers:
+        return summary
+    words, k = summary.split(" "), 0
+    for i, word in enumerate(words):
+        if "#" not in word:
+            continue
+        found, pick = numbers.get(word, []), picks[k] if picks and k < len(picks) else None
+        k += 1
+        if len(found) == 1:
+            words[i] = found[0]
+        elif pick in found:
+            words[i] = pick
+    return " ".join(words)
 
 
 def file_sha256(path: str | Path) -> str:

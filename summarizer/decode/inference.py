@@ -9,9 +9,10 @@ import torch
 from summarizer.config.schema import Config
 from summarizer.data.pairs import read_pairs_file
 from summarizer.data.prepared import load_split, read_pairs
-from summarizer.data.tokenizer import Tokenizer, restore_digits
+from summarizer.data.tokenizer import Tokenizer, masked_numbers, normalize, normalize_as, restore_digits
 from summarizer.decode.quantize import decoding_form, resolve_quantize
 from summarizer.decode.readable import readable
+from summarizer.decode.search import copy_attention
 from summarizer.errors import CheckpointError, ConfigError, DataError
 from summarizer.model import checkpoint
 from summarizer.runtime import Runtime
@@ -68,11 +69,12 @@ def eval_checkpoint(cfg: Config) -> Path:
 
 
 def summary_text(ids: list[int], source: str, tokenizer: Tokenizer, meta: dict, limit: int,
-                 copied: dict[int, int] | None = None) -> str:
+                 copied: dict[int, int] | None = None, numbers: list[str | None] | None = None) -> str:
     """A decoded summary as scorers see it (or, given `copied` from search.copied_unknowns, as readers do:
     each unknown piece written as the source characters it was copied from, and summarizer/decode/readable.py):
-    masked digits put back from its source, cut to the whole words that fit in `limit` bytes
-    (eval.truncate_bytes; 0 = whole)."""
+    masked digits put back from its source (where the source holds several numbers of a word's form, the one
+    `numbers`, from `copied_numbers`, names; tokenizer.restore_digits), cut to the whole words that fit in
+    `limit` bytes (eval.truncate_bytes; 0 = whole)."""
     norm = meta["normalization"]
     if copied is None:
         text = tokenizer.decode(ids)
@@ -80,10 +82,81 @@ def summary_text(ids: list[int], source: str, tokenizer: Tokenizer, meta: dict, 
         pieces = tokenizer.pieces_raw(source, norm)
         text = tokenizer.decode(ids, {t: pieces[s] for t, s in copied.items() if s < len(pieces)})
     if norm["mask_digits"]:
-        text = restore_digits(text, source)
+        text = restore_digits(text, source, numbers)
     if copied is not None:
         text = readable(text, source)
     return truncate_bytes(text.replace("\n", " "), limit, whole_words=True)
+
+
+def copied_numbers(model, sources: list[list[int]], hyps: list[list[int]], texts: list[str], tokenizer: Tokenizer,
+                   meta: dict, rt: Runtime) -> list[list[str | None] | None]:
+    """For each hypothesis whose raw source (`texts`) holds several numbers of one of its masked words' form (`15`
+    and `12` for `##`), the number each of its words holding `#` was copied from, in order (None for the others,
+    and for a word the copy head does not tell: tokenizer.restore_digits leaves it masked); None for a
+    hypothesis that needs no choice, most of them, which cost no model pass. The choice is the source word the
+    copy attention weighted most, summed over the pieces it wrote the word with (search.copy_attention, run
+    only for these hypotheses); with no copy head, or a source whose words and pieces do not line up, none."""
+    out: list[list[str | None] | None] = [None] * len(hyps)
+    if not meta["normalization"]["mask_digits"]:
+        return out
+    for i, (source, hyp, text) in enumerate(zip(sources, hyps, texts, strict=True)):
+        summary = tokenizer.decode(hyp)
+        if "#" not in summary:
+            continue
+        numbers = masked_numbers(text, lower=summary == summary.lower())
+        if any(len(numbers.get(w, [])) > 1 for w in summary.split(" ")):
+            out[i] = _attended_numbers(model, source, hyp, text, summary, numbers, tokenizer, meta, rt)
+    return out
+
+
+def _attended_numbers(model, source: list[int], hyp: list[int], text: str, summary: str,
+                      numbers: dict[str, list[str]], tokenizer: Tokenizer, meta: dict,
+                      rt: Runtime) -> list[str | None] | None:
+    """`copied_numbers` for one hypothesis whose summary needs a choice."""
+    norm = meta["normalization"]
+    masked = normalize_as(text, norm).split()
+    digits = normalize(text, norm["lowercase"], False, norm.get("words", "none")).split()  # the same words
+    src_word, src_words = _word_of(tokenizer.pieces_raw(text, norm))
+    hyp_word, hyp_words = _word_of([tokenizer.sp.id_to_piece(int(i)) for i in hyp])
+    if (len(digits) != len(masked) or not _same_numbers(src_words, masked)
+            or _numbers(hyp_words) != _numbers(summary.split(" "))):
+        return None  # the pieces do not line up with the words (SentencePiece's own normalisation): no choice
+    attn = copy_attention(model, source, hyp, rt)  # (T, S)
+    if attn is None:
+        return None
+    if summary == summary.lower():
+        digits = [w.lower() for w in digits]
+    picks: list[str | None] = []
+    for k in (k for k, word in enumerate(hyp_words) if "#" in word):
+        weight = dict.fromkeys(numbers.get(hyp_words[k], []), 0.0)
+        wrote = attn[[t for t, w in enumerate(hyp_word) if w == k]].sum(dim=0)  # (S,) over the word's pieces
+        for s, j in enumerate(src_word[:len(wrote)]):
+            if j >= 0 and masked[j] == hyp_words[k] and digits[j] in weight:
+                weight[digits[j]] += float(wrote[s])
+        ranked = sorted(weight.values(), reverse=True)
+        picks.append(max(weight, key=weight.get) if len(ranked) > 1 and ranked[0] > ranked[1] else None)
+    return picks
+
+
+def _numbers(words: list[str]) -> list[str]:
+    return [w for w in words if "#" in w]
+
+
+def _same_numbers(a: list[str], b: list[str]) -> bool:
+    """Whether word lists `a` and `b` line up: as many words, and the same wherever either holds `#`."""
+    return len(a) == len(b) and all(x == y for x, y in zip(a, b, strict=True) if "#" in x + y)
+
+
+def _word_of(pieces: list[str]) -> tuple[list[int], list[str]]:
+    """SentencePiece pieces -> (each piece's word index, -1 before the first word: a source tag; the words)."""
+    index, words = [], []
+    for piece in pieces:
+        if piece.startswith("\u2581"):
+            words.append("")
+        if words:
+            words[-1] += piece.replace("\u2581", "")
+        index.append(len(words) - 1)
+    return index, words
 
 
 def truncate_bytes(text: str, limit: int, whole_words: bool = False) -> str:

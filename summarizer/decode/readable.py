@@ -8,7 +8,8 @@ into text a reader expects, from its own raw source.
 - PTB tokens back to text (`-lrb-` to `(`, quotes) and detokenized (`'s`, `n't`, punctuation), with NLTK's
   Treebank detokenizer, the inverse of the tokenizer Gigaword's text was made with.
 
-Digits are restored before this (`tokenizer.restore_digits`). Scoring uses the normalised form; this one is
+Digits are restored before this (`tokenizer.restore_digits`); a masked number it left (its source holds several
+of that form, and the copy head did not tell which) stays masked here too. Scoring uses the normalised form; this one is
 what `summarize` prints by default (eval.readable) and what `eval` writes beside its predictions.
 """
 from __future__ import annotations
@@ -39,10 +40,14 @@ def readable(summary: str, source: str) -> str:
     """`summary` (normalised, digits restored) as text for a reader, using its raw `source` (module docstring)."""
     words = source_words(source)
     cased: dict[str, str] = {}
+    numbers: dict[str, set[str]] = {}
     for word in words:
         cased.setdefault(word.lower(), word)
-        if _DIGIT.search(word):  # "40" of "40%": digits the whitespace-split restoration could not place
-            cased.setdefault(_DIGIT.sub("#", word.lower()), word)
+        if _DIGIT.search(word):
+            numbers.setdefault(_DIGIT.sub("#", word.lower()), set()).add(word)
+    for masked, found in numbers.items():  # a masked number left: only a source with one such number tells it
+        if len(found) == 1:
+            cased.setdefault(masked, found.pop())
     out = []
     for word in summary.split():
         if not _UNKNOWN.search(word):

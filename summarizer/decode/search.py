@@ -234,26 +234,34 @@ def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt
 
 
 @torch.inference_mode()
+def copy_attention(model, source: Sequence[int], hyp: Sequence[int], rt: runtime.Runtime) -> Tensor | None:
+    """(T, S) float32 on the CPU: how the copy head weighted each of `source`'s S pieces as it wrote each of
+    `hyp`'s T pieces, from `hyp` re-run teacher-forced (the attention the search saw); None for a model without
+    a copy head."""
+    model = runtime.unwrap(model)
+    with runtime.eval_mode(model), rt.compute():
+        src = runtime.move(torch.tensor([list(source)]), rt.device)
+        tgt_in = runtime.move(torch.tensor([[BOS, *hyp]]), rt.device)
+        attn = model.decoder_output(tgt_in, model.encode(src), src).copy_attn  # (1, T + 1, S)
+    return None if attn is None else attn[0, :len(hyp)].float().cpu()
+
+
 def copied_unknowns(model, sources: Sequence[Sequence[int]], hyps: Sequence[Sequence[int]],
                     rt: runtime.Runtime) -> list[dict[int, int]]:
     """Where each hypothesis' unknown pieces (UNK) were copied from: {position in the hypothesis: position
     in its source}, the source UNK that the copy attention weighted most when the piece was produced.
 
-    The hypothesis is re-run teacher-forced, which gives the attention the search saw (one pass, only for
-    the rare hypothesis that holds an UNK its source also holds). An UNK the source does not hold came from
-    the vocabulary and is absent; so are all of them for a model without a copy head.
+    The hypothesis is re-run teacher-forced (`copy_attention`: one pass, only for the rare hypothesis that holds
+    an UNK its source also holds). An UNK the source does not hold came from the vocabulary and is absent; so
+    are all of them for a model without a copy head.
     """
-    model = runtime.unwrap(model)
     copied: list[dict[int, int]] = [{} for _ in hyps]
-    with runtime.eval_mode(model), rt.compute():
-        for i, (source, hyp) in enumerate(zip(sources, hyps, strict=True)):
-            if UNK not in hyp or UNK not in source:
-                continue
-            src = runtime.move(torch.tensor([list(source)]), rt.device)
-            tgt_in = runtime.move(torch.tensor([[BOS, *hyp]]), rt.device)
-            attn = model.decoder_output(tgt_in, model.encode(src), src).copy_attn  # (1, T, S)
-            if attn is None:
-                break
-            attn = attn[0].float().cpu().masked_fill(torch.tensor(list(source)) != UNK, -1.0)
-            copied[i] = {t: int(attn[t].argmax()) for t, piece in enumerate(hyp) if piece == UNK}
+    for i, (source, hyp) in enumerate(zip(sources, hyps, strict=True)):
+        if UNK not in hyp or UNK not in source:
+            continue
+        attn = copy_attention(model, source, hyp, rt)
+        if attn is None:
+            break
+        attn = attn.masked_fill(torch.tensor(list(source)) != UNK, -1.0)
+        copied[i] = {t: int(attn[t].argmax()) for t, piece in enumerate(hyp) if piece == UNK}
     return copied

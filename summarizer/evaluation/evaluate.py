@@ -13,6 +13,7 @@ from summarizer.data.prepared import open_tokenizer, read_meta, training_words
 from summarizer.data.tokenizer import normalize_as
 from summarizer.decode.inference import (
     check_beam,
+    copied_numbers,
     eval_checkpoint,
     load_model,
     read_eval_pairs,
@@ -81,10 +82,11 @@ def evaluate(cfg: Config) -> dict:
     started = time.perf_counter()
     hyps = decode_all(model, ids, cfg.eval, rt, f"decode {name}", rules_lexicon)
     seconds = time.perf_counter() - started
-    predictions = [summary_text(h, p["source"], tokenizer, meta, cfg.eval.truncate_bytes)
-                   for h, p in zip(hyps, pairs, strict=True)]
-    for_people = [summary_text(h, p["source"], tokenizer, meta, cfg.eval.truncate_bytes, copied)
-                  for h, p, copied in zip(hyps, pairs, copied_unknowns(model, ids, hyps, rt), strict=True)]
+    numbers = copied_numbers(model, ids, hyps, [p["source"] for p in pairs], tokenizer, meta, rt)
+    predictions = [summary_text(h, p["source"], tokenizer, meta, cfg.eval.truncate_bytes, numbers=n)
+                   for h, p, n in zip(hyps, pairs, numbers, strict=True)]
+    for_people = [summary_text(h, p["source"], tokenizer, meta, cfg.eval.truncate_bytes, copied, n)
+                  for h, p, copied, n in zip(hyps, pairs, copied_unknowns(model, ids, hyps, rt), numbers, strict=True)]
     report = score(cfg, meta, pairs, predictions)
     report["settings"] = settings(cfg, name, len(pairs), source, rt.precision)
     report["settings"].update(batch_tokens=decode_batch_tokens(cfg.eval, rt),
