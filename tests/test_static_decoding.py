@@ -45,6 +45,16 @@ def test_static_search_equals_the_eager_one(model, sources, beam, n, min_len, ma
 
 
 @pytest.mark.parametrize("beam", [1, 4])
+def test_a_model_placed_on_two_devices_searches_with_static_shapes_as_eagerly(model, sources, beam):
+    """`eval.shapes=static` beside a `placement` split: the placed model takes the fixed-size cache's capacity
+    as the model does (it was refused with a TypeError)."""
+    from summarizer.runtime.placement import PlacedSeq2Seq
+    cpu = torch.device("cpu")
+    s = settings(beam_size=beam, max_len=8)
+    assert static_search(PlacedSeq2Seq(model, cpu, cpu), sources, s) == eager(model, sources, s)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
 @pytest.mark.parametrize("known, repeats, truncate", [(True, True, 0), (False, True, 0), (True, False, 0),
                                                       (True, True, 40)])
 def test_static_search_equals_the_eager_one_with_word_rules(tiny_prepared, beam, known, repeats, truncate):

@@ -50,8 +50,8 @@ class PlacedSeq2Seq(nn.Module):
         return self.inner.decoder_output(move(tgt_in, self.dec_dev), move(memory, self.dec_dev),
                                          move(src_ids, self.dec_dev), state)
 
-    def start_decoding(self, memory: Tensor, src_ids: Tensor, group: int = 1):
-        return self.inner.start_decoding(move(memory, self.dec_dev), move(src_ids, self.dec_dev), group)
+    def start_decoding(self, memory: Tensor, src_ids: Tensor, group: int = 1, capacity: int = 0):
+        return self.inner.start_decoding(move(memory, self.dec_dev), move(src_ids, self.dec_dev), group, capacity)
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_ids: Tensor, state=None) -> Tensor:
         log_probs = self.inner.decode(move(tgt_in, self.dec_dev), move(memory, self.dec_dev),
