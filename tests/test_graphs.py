@@ -138,6 +138,32 @@ def test_a_failed_capture_leaves_a_step_that_trains_as_the_eager_one(tiny_data, 
         assert torch.equal(a, b)
 
 
+def test_running_out_of_memory_in_a_capture_is_an_out_of_memory_error_not_a_quiet_fallback(tiny_data, monkeypatch):
+    """torch.OutOfMemoryError is a RuntimeError: a capture that ran out of memory turned graphs off for the rest of
+    the run (1.5-6x slower) under a line about capture. It reaches the loop, which names the batch and what to
+    lower, with the capture's leftovers cleared and graphs still on."""
+    cfg = make_cfg(tiny_data, "train.precision=fp32", "system.device=cpu", "model.dropout=0.0")
+    rt = runtime.setup(cfg.system, cfg.placement, cfg.train.precision)
+    batches = shaped_batches(tiny_data, cfg, rt.device)
+
+    models = []
+
+    def out_of_memory(self, model, *args):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)  # as a capture leaves them: in the graph's memory
+        models.append(model)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(StepGraphs, "_record", out_of_memory)
+    monkeypatch.setattr(StepGraphs, "warned", False)
+    with pytest.raises(torch.OutOfMemoryError):
+        train_on(cfg, rt, batches, graphed=True)
+    assert all(p.grad is None for p in models[0].parameters()) and not StepGraphs.warned
+    from summarizer.train.guard import out_of_memory as message
+    on_gpu = Runtime(torch.device("cuda", 0), torch.device("cuda", 0), "fp32")
+    assert "train.cuda_graphs=false" in str(message(torch.OutOfMemoryError(), [batches[0]], cfg, on_gpu, 7))
+    assert "cuda_graphs" not in str(message(MemoryError(), [batches[0]], cfg, rt, 7))
+
+
 @CUDA
 @pytest.mark.parametrize("precision,compiled", [("fp32", False), ("bf16", False), ("fp16", False), ("bf16", True)])
 def test_replayed_graphs_train_as_the_eager_step_does_on_a_gpu(tiny_data, precision, compiled):

@@ -76,6 +76,9 @@ class StepGraphs:
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._record(model, optimizer, scaler, batch, rt, cfg)
+            except torch.OutOfMemoryError:  # the loop names the batch and what to lower, as for an eager step
+                self._clean(model, scaler)
+                raise
             except RuntimeError as exc:  # nothing ran during the capture: this step and the rest run eagerly
                 self._give_up(exc, model, scaler)
                 return self.step(model, optimizer, scaler, micro_batches, rt, cfg)
@@ -125,13 +128,18 @@ class StepGraphs:
             raise RuntimeError("a parameter without optimizer state until now got a gradient in the captured step")
         return graph, inputs, outputs
 
-    def _give_up(self, exc: Exception, model: nn.Module, scaler) -> None:
-        self.capture, self.warmup = False, sys.maxsize  # every later step eager, on the current stream
-        self.graphs.clear()
+    @staticmethod
+    def _clean(model: nn.Module, scaler) -> None:
+        """What a failed capture leaves behind: gradients in the graph's memory, a scaler left "unscaled"."""
         for p in model.parameters():
             p.grad = None
         if scaler.is_enabled():  # a disabled scaler (fp32, bf16) keeps no per-optimizer state
             scaler._per_optimizer_states.clear()  # a capture that failed after unscale_ left it "unscaled"
+
+    def _give_up(self, exc: Exception, model: nn.Module, scaler) -> None:
+        self.capture, self.warmup = False, sys.maxsize  # every later step eager, on the current stream
+        self.graphs.clear()
+        self._clean(model, scaler)
         if not StepGraphs.warned:
             StepGraphs.warned = True
             print(f"warning: the training step could not be captured as a CUDA graph ({exc}); training goes on "

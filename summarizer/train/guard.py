@@ -187,11 +187,14 @@ def out_of_memory(exc: BaseException, micro_batches: list[dict], cfg: Config, rt
     """The message for a step that ran out of memory: its shapes, the devices' memory, and what to change."""
     shapes = ", ".join(f"{tuple(b['src_ids'].shape)}->{tuple(b['tgt_in'].shape)}" for b in micro_batches)
     tokens = sum(b["n_src"] + b["n_tgt"] for b in micro_batches)
+    graphs = ("; captured steps (train.cuda_graphs) keep their memory in a pool of their own, beside that of the "
+              "eager steps that log per-module statistics: train.cuda_graphs=false, or train.module_stats=false, "
+              "frees one of them") if cfg.train.cuda_graphs and rt.device.type == "cuda" else ""
     return TrainingAborted(
         f"out of memory at step {step} ({type(exc).__name__}); batch shapes {shapes}, {tokens} tokens; "
         f"{'; '.join(memory_report(d) for d in rt.devices)}. Lower data.batch_tokens (now {cfg.data.batch_tokens}) "
-        f"and raise train.accum_steps (now {cfg.train.accum_steps}) to keep the same effective batch. "
-        f"Checkpoints already written are intact; the run resumes from the latest.")
+        f"and raise train.accum_steps (now {cfg.train.accum_steps}) to keep the same effective batch"
+        f"{graphs}. Checkpoints already written are intact; the run resumes from the latest.")
 
 
 def rank_failed(exc: BaseException, rt: Runtime, step: int) -> TrainingAborted | None:
