@@ -134,6 +134,10 @@ def test_a_failed_capture_leaves_a_step_that_trains_as_the_eager_one(tiny_data, 
     assert not run.graphs and not run.capture
     for a, b in zip(eager, graphed, strict=True):
         assert all(torch.equal(a[k], b[k]) for k in ("loss_sum", "nll_sum", "grad_norm", "finite"))
+    monkeypatch.setattr(StepGraphs, "warned", False)  # auto's 16 bit was chosen for captured steps: said so
+    run._give_up(RuntimeError("x"), model_g, runtime.make_scaler(rt), Runtime(rt.device, rt.device, "bf16"),
+                 make_cfg(tiny_data).train)
+    assert "train.precision=auto chose bf16 by rule for captured steps" in capsys.readouterr().err
     for a, b in zip(model_e.parameters(), model_g.parameters(), strict=True):
         assert torch.equal(a, b)
 

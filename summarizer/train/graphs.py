@@ -80,7 +80,7 @@ class StepGraphs:
                 self._clean(model, scaler)
                 raise
             except RuntimeError as exc:  # nothing ran during the capture: this step and the rest run eagerly
-                self._give_up(exc, model, scaler)
+                self._give_up(exc, model, scaler, rt, cfg)
                 return self.step(model, optimizer, scaler, micro_batches, rt, cfg)
         graph, inputs, outputs = self.graphs[key]
         for name in INPUTS:
@@ -136,14 +136,16 @@ class StepGraphs:
         if scaler.is_enabled():  # a disabled scaler (fp32, bf16) keeps no per-optimizer state
             scaler._per_optimizer_states.clear()  # a capture that failed after unscale_ left it "unscaled"
 
-    def _give_up(self, exc: Exception, model: nn.Module, scaler) -> None:
+    def _give_up(self, exc: Exception, model: nn.Module, scaler, rt: Runtime, cfg: TrainConfig) -> None:
         self.capture, self.warmup = False, sys.maxsize  # every later step eager, on the current stream
         self.graphs.clear()
         self._clean(model, scaler)
         if not StepGraphs.warned:
             StepGraphs.warned = True
+            auto = (f"; train.precision=auto chose {rt.precision} by rule for captured steps, and eagerly fp32 may "
+                    f"be faster: train.precision=fp32") if cfg.precision == "auto" and rt.precision != "fp32" else ""
             print(f"warning: the training step could not be captured as a CUDA graph ({exc}); training goes on "
-                  f"eagerly", file=sys.stderr, flush=True)
+                  f"eagerly{auto}", file=sys.stderr, flush=True)
 
 
 def step_function(step: Callable[..., dict], model: nn.Module, optimizer, rt: Runtime,
