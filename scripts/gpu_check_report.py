@@ -57,14 +57,15 @@ def ratio(value: float, base: float | None) -> float | None:
 
 
 def chosen(run_dir: Path) -> tuple[str, str | None]:
-    """The precision a run trained in (manifest.json), and the probe's timings when a probe chose it."""
+    """The precision a run trained in (manifest.json), and the probe's timings when a probe timed them (None where
+    a rule chose: a CPU's auto, or a captured step's)."""
     try:
         manifest = json.loads((run_dir / "manifest.json").read_text())
     except (OSError, ValueError):
         return "?", None
     from summarizer.train.precision import timings
     probe = manifest.get("precision_probe")
-    return manifest.get("precision", "?"), timings(probe) if probe else None
+    return manifest.get("precision", "?"), timings(probe) if probe and not probe.get("captured") else None
 
 
 def train_rows(out: Path) -> tuple[list[tuple], list[str]]:

@@ -125,6 +125,18 @@ def test_report_rows_from_hand_written_runs(tmp_path):
     assert "| 1 train | train.precision=fp32: MFU, steps 201-300 | 0.1 |  |" in table
 
 
+def test_a_precision_a_rule_chose_is_reported_by_rule(tmp_path):
+    """auto's choice for a captured step is a rule, not timings: the note says "by rule", not "by the probe's
+    timings of forward and backward: not timed"."""
+    probes = {"timed": {"precision": "bf16", "device": "H100", "ms": {"fp32": 41.5, "bf16": 30.0}},
+              "captured": {"precision": "bf16", "device": "H100", "captured": True, "ms": {}}}
+    for name, probe in probes.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"precision": "bf16", "precision_probe": probe}))
+    assert report.chosen(tmp_path / "timed") == ("bf16", "fp32 41.5 ms, bf16 30.0 ms")
+    assert report.chosen(tmp_path / "captured") == ("bf16", None)
+
+
 def test_synthetic_pairs_take_their_lengths_from_the_data_dir(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
