@@ -44,8 +44,9 @@ def run_summary(run_dir: Path) -> dict | None:
            "loss": records[-1]["loss"], "last_step": last}
     if all("mfu" in r for r in later):
         out["mfu"] = mean(later, "mfu")
-    if any("peak_memory_mb" in r for r in records):
-        out["peak_mb"] = max(r.get("peak_memory_mb", 0.0) for r in records)
+    for key, name in (("peak_memory_mb", "peak_mb"), ("peak_reserved_mb", "reserved_mb")):
+        if any(key in r for r in records):
+            out[name] = max(r.get(key, 0.0) for r in records)
     return out
 
 
@@ -199,7 +200,7 @@ def all_rows(out: Path) -> tuple[list[tuple], list[str]]:
     one_device = run_summary(out / "train" / "fp32") or {}
     placement = (("later", "tokens/s, steps {later_steps} (ratio: to one device, fp32)"),)
     gigaword = (("later", "tokens/s, steps {later_steps}"), ("mfu", "MFU, steps {later_steps}"),
-                ("peak_mb", "peak memory MiB"))
+                ("peak_mb", "peak memory MiB"), ("reserved_mb", "peak memory reserved MiB (CUDA graphs' pools too)"))
     rows = (trained + bench + eval_rows(out) + run_rows(out, 4, "placement", placement, one_device)
             + run_rows(out, 4, "ddp", placement, one_device)
             + run_rows(out, 5, "gigaword", gigaword, run_summary(out / "gigaword" / "fp32") or {}) + compile_rows(out))

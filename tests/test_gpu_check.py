@@ -64,7 +64,8 @@ def test_report_rows_from_hand_written_runs(tmp_path):
     write_rouge(out / "eval" / "greedy_fp32_dynamic", "fp32", "dynamic", 200.0, 27.0, "a b c d")
     write_metrics(out / "placement" / "enc-cuda0_dec-cpu", {30: 100, 60: 150, 90: 200})
     write_metrics(out / "gigaword" / "fp32", {50: 1000, 100: 2000, 150: 2000}, mfu=0.3, peak_memory_mb=8000)
-    write_metrics(out / "gigaword" / "bf16", {50: 3000, 100: 5000, 150: 6000}, mfu=0.2, peak_memory_mb=5000)
+    write_metrics(out / "gigaword" / "bf16", {50: 3000, 100: 5000, 150: 6000}, mfu=0.2, peak_memory_mb=5000,
+                  peak_reserved_mb=9000)
     (out / "notes.txt").write_text("4|cuda:0 + cuda:1, DDP|skipped: needs two GPUs (this machine: 1)\n")
     (out / "logs").mkdir()
     recompiled = "V1127 [__recompiles] Recompiling function forward in transformer.py:278\n"
@@ -109,6 +110,7 @@ def test_report_rows_from_hand_written_runs(tmp_path):
         ("5 gigaword.yaml", "bf16: tokens/s, steps 101-150", 6000, 3.0),
         ("5 gigaword.yaml", "bf16: MFU, steps 101-150", 0.2, None),
         ("5 gigaword.yaml", "bf16: peak memory MiB", 5000, 0.625),
+        ("5 gigaword.yaml", "bf16: peak memory reserved MiB (CUDA graphs' pools too)", 9000, None),
         ("5 gigaword.yaml", "fp32: tokens/s, steps 101-150", 2000, 1.0),
         ("5 gigaword.yaml", "fp32: MFU, steps 101-150", 0.3, None),
         ("5 gigaword.yaml", "fp32: peak memory MiB", 8000, 1.0),

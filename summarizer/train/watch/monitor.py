@@ -185,7 +185,7 @@ def log_line(step: int, total: int, split: str, record: dict) -> str:
     """One line of a log interval, for logs written to files: `step 50/3000 train loss 6.448 lr 1.2e-04 ...`."""
     formats = {"loss": ".4f", "lr": ".3g", "grad_norm": ".3f", "tokens_per_s": ".0f", "rouge1": ".2f",
                "rouge2": ".2f", "rougeL": ".2f", "ppl": ".2f", "data_wait": ".1%", "memory_mb": ".0f",
-               "peak_memory_mb": ".0f"}
+               "peak_memory_mb": ".0f", "peak_reserved_mb": ".0f"}
     parts = [f"{key} {record[key]:{fmt}}" for key, fmt in formats.items() if isinstance(record.get(key), (int, float))]
     return f"step {step}/{total} {split} " + " ".join(parts)
 
@@ -281,6 +281,9 @@ class Window:
                    "skipped_steps": round(skipped / self.rt.world_size),  # every rank skips the same steps
                    "peak_memory_mb": max(peak_memory_mb(d) for d in self.rt.devices),
                    "memory_mb": max(current_memory_mb(d) for d in self.rt.devices)}
+        if self.rt.cuda_devices:  # what the caching allocator holds, CUDA graphs' private pools included: replays
+            # allocate nothing, so peak_memory_mb leaves out the graphs' memory that the eager steps cannot use
+            summary["peak_reserved_mb"] = max(torch.cuda.max_memory_reserved(d) / 2**20 for d in self.rt.cuda_devices)
         if flops:  # flops.py: FLOPs of the real tokens; MFU against one device's peak, per device
             summary["model_flops_per_s"] = flops / seconds
             devices = self.rt.world_size * (len(self.rt.cuda_devices) or 1)  # a split model: two GPUs a process
