@@ -80,15 +80,15 @@ def masked_numbers(source: str, lower: bool) -> dict[str, list[str]]:
     to it, in source order (in lower case if `lower`): the words between spaces (`$75.50,`) and as the Treebank
     tokenizer splits them from their punctuation (`75.50`), so a number is found however the summary's words
     were split."""
-    numbers: dict[str, list[str]] = {}
+    numbers: dict[str, dict[str, None]] = {}  # an insertion-ordered set per form
     if not _DIGIT_RE.search(source):  # most sources of a prepared split: their digits were masked at prep
-        return numbers
+        return {}
     for word in [*source.split(), *ptb_words(source, digits_masked=False).split()]:
         word = word.lower() if lower else word
         masked = _DIGIT_RE.sub("#", word)
-        if masked != word and word not in numbers.setdefault(masked, []):
-            numbers[masked].append(word)
-    return numbers
+        if masked != word:
+            numbers.setdefault(masked, {})[word] = None
+    return {masked: list(words) for masked, words in numbers.items()}
 
 
 def restore_digits(summary: str, source: str, picks: list[str | None] | None = None) -> str:
