@@ -170,7 +170,8 @@ def test_every_rank_resumes_its_own_random_streams(tmp_path):
 
 def _rank_trains(rank: int, world: int, port: int, overrides: list[str], signal_in: str, out_dir: str) -> None:
     """One rank of a gloo run, as torchrun starts it; rank 1 sends itself SIGTERM in `signal_in`: "loss" (inside
-    validation, before its all-reduce) or "bookkeeping" (after validation's last check), or never ("")."""
+    validation, before its all-reduce), "bookkeeping" (after validation's last check), "last bookkeeping" (that of
+    the run's last validation, after which no step's Consensus comes), or never ("")."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import torch
@@ -178,11 +179,13 @@ def _rank_trains(rank: int, world: int, port: int, overrides: list[str], signal_
     from summarizer.train import validation
     torch.set_num_threads(1)
     if rank == 1 and signal_in:
-        name = {"loss": "evaluate_loss", "bookkeeping": "improves"}[signal_in]
-        real = getattr(validation, name)
+        name = "evaluate_loss" if signal_in == "loss" else "improves"
+        real, calls = getattr(validation, name), []
 
         def signalled(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGTERM)
+            calls.append(1)
+            if len(calls) == (2 if signal_in.startswith("last") else 1):
+                os.kill(os.getpid(), signal.SIGTERM)
             return real(*args, **kwargs)
 
         setattr(validation, name, signalled)
@@ -217,12 +220,13 @@ def _train_two_ranks(run: Path, tiny_prepared: Path, signal_in: str = "") -> lis
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signal_in, stopped_at", [("loss", 3), ("bookkeeping", 5)])
+@pytest.mark.parametrize("signal_in, stopped_at", [("loss", 3), ("bookkeeping", 5), ("last bookkeeping", 6)])
 def test_a_signal_to_one_rank_during_validation_stops_every_rank_at_one_step_and_resumes_exactly(
         tiny_prepared, tmp_path, signal_in, stopped_at):
     """A signal to one rank during validation's loss (its all-reduce ahead): every rank abandons the validation at
     the check after it, together, and checkpoints the step with every rank's random streams; after validation's
-    last check: every rank finishes it, and the steps' Consensus stops them together two steps on. Either way no
+    last check: every rank finishes it, and the steps' Consensus stops them together two steps on; after the last
+    step's: the ranks agree once the loop ends, so all report the signal (exit status, a recipe's next stage). No
     rank is left waiting in a collective, and the resumed run logs what a run never stopped logs."""
     reference = _train_two_ranks(tmp_path / "reference", tiny_prepared)
     assert [r["steps"] for r in reference] == [6, 6]
@@ -231,6 +235,7 @@ def test_a_signal_to_one_rank_during_validation_stops_every_rank_at_one_step_and
     state = torch.load(tmp_path / "cut" / f"ckpt_{stopped_at:08d}.pt", weights_only=False)
     owed = state["progress"].get("owed", {})
     assert len(state["rng_by_rank"]) == 2 and owed.get("validate", False) == (signal_in == "loss")
+    assert ("owed" in state["progress"]) == (signal_in != "last bookkeeping")  # the last step's is all done
     assert [r["steps"] for r in _train_two_ranks(tmp_path / "cut", tiny_prepared)] == [6, 6]
     for split in ("train", "valid"):
         assert_same(records(tmp_path / "cut", split), records(tmp_path / "reference", split))

@@ -71,14 +71,18 @@ class StopFlag:
             self.signum = came[0]
         return bool(came)
 
-    def check(self) -> None:
-        """A point of an `interruptible` block where a stop abandons it (StopRequested). Under DDP a collective: every
-        rank reaches the same points, and all abandon at the first one after any rank's signal."""
+    def agreed(self) -> bool:
+        """Whether a stop signal came to any rank (`agree`), summed now: under DDP a collective every rank calls."""
         flags = self.flags()
         if self.rt.distributed:
             flags = runtime.all_reduce_sum(runtime.device_tensor([float(f) for f in flags], self.rt.device),
                                            self.rt).tolist()
-        if self.agree(flags):
+        return self.agree(flags)
+
+    def check(self) -> None:
+        """A point of an `interruptible` block where a stop abandons it (StopRequested). Under DDP a collective: every
+        rank reaches the same points, and all abandon at the first one after any rank's signal."""
+        if self.agreed():
             raise StopRequested
 
     @contextlib.contextmanager

@@ -105,6 +105,7 @@ class Loop:
     compiling: bool = False  # train.compile: this process's first step compiles the model, and says how long it took
     unread: Unread | None = None
     consensus: Consensus | None = None  # the ranks' agreement to stop (a signal, the time limit)
+    alone: bool = False  # this rank left the loop by itself (a dead worker): no collective may follow
     step: Callable[..., dict] = train_step  # or its CUDA graphs (train.cuda_graphs: graphs.py)
 
 
@@ -146,6 +147,7 @@ def train(cfg: Config) -> dict:
                     raise
                 settle(session, loop)  # the checkpoint dead_worker writes counts the last step too (save_settled)
                 dead_worker(session, loop.stop, exc)
+                loop.alone = True
                 break
             with loop.children.deferred():  # from here to the next fetch: logging, validation, checkpoints too
                 out = step_once(session, fetched, time.perf_counter() - fetch_started, loop)
@@ -164,6 +166,8 @@ def train(cfg: Config) -> dict:
                 if after_step(session, loop, out, time_up):
                     break
         settle(session, loop)
+        if not loop.alone:  # a signal no Consensus read (after the last step's): every rank's, as it is one rank's
+            loop.stop.agreed()
         best = progress["best"] or {"metric": cfg.train.select_by, "value": float("nan")}
         session.monitor.hparams(flatten(cfg), {f"best/{best['metric']}": best["value"],
                                                "hparam/steps": progress["step"]})
@@ -328,6 +332,7 @@ def after_step(session: Session, loop: Loop, out: dict, time_up: bool) -> bool:
                 raise
             settle(session, loop)
             dead_worker(session, loop.stop, exc)  # raises, or returns where a stop signal killed the worker
+            loop.alone = True
             return True
         window.reset()  # evaluation is not training throughput
     stopping = abandoned or (loop.stop.requested and not session.rt.distributed)
