@@ -78,7 +78,7 @@ clean:
 	@for d in runs/* checkpoints/* data/tiny data/overfit; do \
 		if [ -d "$$d" ] && [ ! -L "$$d" ] && { [ -f "$$d/.summarizer" ] || [ -f "$$d/.summarizer.run_dir" ]; }; then \
 			rm -rf "$$d" && echo "removed $$d"; \
-		elif [ -e "$$d" ] || [ -L "$$d" ]; then echo "kept $$d (not made by this product)"; fi; \
+		elif [ -d "$$d" ] || [ -L "$$d" ]; then echo "kept $$d (not made by this product)"; fi; \
 	done; rmdir runs 2>/dev/null; rm -rf .pytest_cache
 
 # The research harness (docs/comparing.md).

@@ -25,6 +25,7 @@ def test_clean_removes_the_products_directories_and_nothing_of_the_users(tmp_pat
     (tmp_path / "checkpoints" / "notes").mkdir()
     (tmp_path / "checkpoints" / "notes" / "todo.txt").write_text("mine")
     (tmp_path / "checkpoints" / ".gitkeep").write_text("")
+    (tmp_path / "checkpoints" / "seeds_base.json").write_text("{}")  # a file of seeds': no directory, kept unsaid
     out = subprocess.run(["make", "-s", "-f", str(MAKEFILE), "-C", str(tmp_path), "clean"], capture_output=True,
                          text=True, check=True).stdout
     assert not any((tmp_path / path).exists() for path in made) and not (tmp_path / "runs").exists()
@@ -32,6 +33,7 @@ def test_clean_removes_the_products_directories_and_nothing_of_the_users(tmp_pat
     assert (tmp_path / "checkpoints" / "pretrained").is_symlink()
     assert (tmp_path / "checkpoints" / "notes" / "todo.txt").is_file() and (tmp_path / "checkpoints/.gitkeep").exists()
     assert "kept checkpoints/pretrained (not made by this product)" in out and "removed checkpoints/base" in out
+    assert (tmp_path / "checkpoints" / "seeds_base.json").is_file() and "seeds_base" not in out
 
 
 def dry_run(tmp_path: Path, *argv: str) -> list[str]:

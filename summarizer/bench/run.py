@@ -22,7 +22,7 @@ from summarizer.bench.decoding import (
 from summarizer.bench.training import memory_row, second_epoch_rates, training_rates, variant
 from summarizer.config.schema import Config
 from summarizer.errors import ConfigError
-from summarizer.outputs import atomic_write, claim_dir
+from summarizer.outputs import atomic_write, claim_dir, claim_events_dir
 
 
 def rows(cfg: Config) -> dict[str, tuple[str, str, str, Callable[[], dict]]]:
@@ -284,7 +284,8 @@ def write_outputs(cfg: Config, results: list[dict]) -> None:
               f"{torch.get_num_threads()} threads.\n\n")
     atomic_write(cfg.run_dir / "bench.md", header + table)
     from torch.utils.tensorboard import SummaryWriter
-    with SummaryWriter(str(cfg.tensorboard_dir) + "-bench") as writer:
+    events = claim_events_dir(str(cfg.tensorboard_dir) + "-bench", cfg.run_dir)  # marked, as a run's are
+    with SummaryWriter(str(events)) as writer:
         for r in results:
             if "ratio" in r:
                 writer.add_scalar(f"bench/{r['practice']}/on", r["on"]["median"], 0)

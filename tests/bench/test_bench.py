@@ -41,6 +41,7 @@ def test_every_timing_row_measures_on_and_off(cfg):
     assert [r["practice"] for r in saved] == cfg.bench.rows
     assert "| workers |" in (cfg.run_dir / "bench.md").read_text()
     assert list(cfg.tensorboard_dir.parent.glob("*-bench/events.out.tfevents.*"))
+    assert list(cfg.tensorboard_dir.parent.glob("*-bench/.summarizer.run_dir"))  # marked: `make clean` removes it
 
 
 def test_training_rows_alternate_their_repeats(cfg, monkeypatch):
