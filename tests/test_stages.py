@@ -101,6 +101,10 @@ def test_a_finished_run_stands_only_for_a_config_that_could_resume_it(tiny_data,
     for change in ("model.d_model=64", "train.label_smoothing=0.2"):
         with pytest.raises(ConfigError, match=f"{change.split('=')[0]}: .* in the checkpoint"):
             training_finished(load_config(ROOT / "configs/tiny.yaml", [*args, change]))
+    gone = [*args, f"data.dir={tmp_path / 'removed'}"]  # its data removed once trained: the config alone decides
+    assert training_finished(load_config(ROOT / "configs/tiny.yaml", gone)) == 4
+    with pytest.raises(ConfigError, match="model.d_model: .* in the checkpoint"):
+        training_finished(load_config(ROOT / "configs/tiny.yaml", [*gone, "model.d_model=64"]))
 
 
 def test_a_stage_after_one_that_ended_early_starts_from_its_last_checkpoint(tmp_path):

@@ -20,6 +20,7 @@ from summarizer.config.schema import Config
 from summarizer.data.batches import PairDataset, TokenBatchSampler, make_loader, stop_workers
 from summarizer.data.noise import SpanMasker, word_starts
 from summarizer.data.prepared import (
+    META_FILE,
     PREP_ONLY,
     adopt_prep_settings,
     check_data_settings,
@@ -131,7 +132,11 @@ def changes_from(state: dict, cfg: Config, meta: dict) -> list[dict]:
 
 def check_finished(state: dict, cfg: Config) -> None:
     """A finished run is the run `cfg` asks for only where `cfg` could resume it: another model, data or recipe is
-    refused as a resume would refuse it (a new run.name trains it), never answered with this run's weights."""
+    refused as a resume would refuse it (a new run.name trains it), never answered with this run's weights. Without
+    its prepared data (removed once trained), the config alone is compared: a finished run needs no data."""
+    if not (Path(cfg.data.dir) / META_FILE).is_file():
+        check_resume(state["config"], cfg, cfg.run_dir, state["step"])
+        return
     meta = read_meta(cfg.data.dir)
     cfg = copy.deepcopy(cfg)
     adopt_prep_settings(cfg.data, meta)
