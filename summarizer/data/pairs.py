@@ -44,13 +44,13 @@ def visible(text: str) -> bool:
     return any(unicodedata.category(ch)[0] not in "ZC" for ch in text)
 
 
-def read_pairs_file(path: str | Path, need_target: bool = True) -> list[dict]:
+def read_pairs_file(path: str | Path, need_target: bool = True, need_source: bool = True) -> list[dict]:
     """Every pair of a pairs file as {"source", "target", "references"} (references defaults to [target]).
 
-    Blank lines are skipped. A line that is not a JSON object, lacks a text `source` (or `target`, when
-    `need_target`), or whose `references` is not a list of texts, is an error naming file and line; so is a
-    source, target or reference without a visible character (a summary of nothing, a reference every summary
-    scores 0 against).
+    Blank lines are skipped. A line that is not a JSON object, lacks a text `source` (when `need_source`; else
+    it reads as "") or `target` (when `need_target`), or whose `references` is not a list of texts, is an error
+    naming file and line; so is a source or reference that is needed but has no visible character (a summary of
+    nothing, a reference every summary scores 0 against).
     """
     pairs = []
     for number, raw in numbered_lines(path):
@@ -65,14 +65,15 @@ def read_pairs_file(path: str | Path, need_target: bool = True) -> list[dict]:
         refs = record.get("references") or ([record["target"]] if isinstance(record.get("target"), str) else [])
         if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
             raise DataError(f"{path}:{number}: 'references' must be a list of texts")
+        if not need_source:
+            record["source"] = record.get("source") if isinstance(record.get("source"), str) else ""
         missing = [f for f, ok in (("source", isinstance(record.get("source"), str)), ("target", bool(refs)))
                    if not ok and (f == "source" or need_target)]
         if missing:
             raise DataError(f"{path}:{number}: no text field {' or '.join(repr(f) for f in missing)} (it has "
                             f"{sorted(record)}): a pairs file holds source, target and optional references")
-        empty = [name for name, text in (("source", record["source"]), *((f"reference {i}", r) for i, r in
-                                                                         enumerate(refs, start=1) if need_target))
-                 if not visible(text)]
+        empty = [name for name, text in ((("source", record["source"]),) if need_source else ()) + tuple(
+                 (f"reference {i}", r) for i, r in enumerate(refs, start=1) if need_target) if not visible(text)]
         if empty:
             raise DataError(f"{path}:{number}: the {' and '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty "
                             f"(no visible character): fix or remove that line")

@@ -107,7 +107,7 @@ def read_references(ref: str) -> tuple[str, list[list[str]]]:
     """References per pair from a pairs file (.jsonl[.gz]) or a prepared split `DATA_DIR:SPLIT`."""
     path = Path(ref)
     if path.is_file():
-        pairs, where = read_pairs_file(path), str(path)
+        pairs, where = read_pairs_file(path, need_source=False), str(path)  # references are all it reads
     elif path.is_dir():
         raise CompareError(f"references {ref} is a directory: give a pairs file (.jsonl[.gz]) or a prepared "
                            f"split as DATA_DIR:SPLIT, e.g. {ref.rstrip('/')}:test")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from summarizer.decode.inference import truncate_bytes
+from summarizer.errors import DataError
 from summarizer.evaluation.scoring import rouge_report
 from summarizer.harness.compare import CompareError, compare, pair_scores, permutation_means, significance
 
@@ -37,6 +38,21 @@ def test_identical_systems_differ_by_zero_with_p_one(systems):
     for m in report["metrics"].values():
         assert m["diff"] == 0 and m["diff_ci"] == [0, 0]
         assert m["bootstrap_p"] == 1 and m["permutation_p"] == 1
+
+
+def test_a_references_only_file_serves_as_references(systems, tmp_path):
+    """compare reads references alone: a file without sources (no key, or an empty one) scores as the pairs
+    file it was cut from; a blank reference is still refused."""
+    _, good, bad, _ = systems
+    refs = tmp_path / "refs.jsonl"
+    refs.write_text("".join(json.dumps({"target": p["target"]} if i % 2 else {"source": "", "target": p["target"]})
+                            + "\n" for i, p in enumerate(TEST_PAIRS)))
+    full = compare(str(bad), str(good), str(TINY / "test.jsonl"), tmp_path / "full", samples=50)
+    only = compare(str(bad), str(good), str(refs), tmp_path / "only", samples=50)
+    assert only["metrics"] == full["metrics"]
+    refs.write_text(json.dumps({"target": " "}) + "\n")
+    with pytest.raises(DataError, match="refs.jsonl:1: the reference 1 is empty"):
+        compare(str(bad), str(good), str(refs), tmp_path / "blank", samples=50)
 
 
 def test_references_beat_random_words_significantly(systems):
