@@ -102,8 +102,10 @@ def fits(cfg: Config, batch_tokens: int, budget_mb: float) -> bool:
     result = peak_memory(cfg, "train", 1, batch_tokens)
     if "error" not in result:
         return result["peak_mb"] <= budget_mb
-    if "memory" in result["error"].lower() or result["error"].endswith(f"code {-signal.SIGKILL}"):
-        return False  # torch's OutOfMemoryError, MemoryError, or the out-of-memory killer's SIGKILL
+    error = result["error"]
+    if error.startswith(("OutOfMemoryError", "MemoryError")) or "out of memory" in error.lower() \
+            or "can't allocate memory" in error or error.endswith(f"code {-signal.SIGKILL}"):
+        return False  # torch's OutOfMemoryError, its CPU allocator's, MemoryError, the out-of-memory killer's SIGKILL
     raise RuntimeError(f"a training step at data.batch_tokens={batch_tokens} failed: {result['error']}")
 
 

@@ -89,10 +89,20 @@ def test_the_batch_search_tells_memory_from_other_failures_and_refuses_an_empty_
     error, not a size of 0. A bound below the start searches nothing: refused before any row runs."""
     from summarizer.bench import memory
     outcomes = {"OutOfMemoryError: CUDA out of memory": False, "MemoryError: ": False,
-                "process exited with code -9": False}
+                "process exited with code -9": False,
+                "RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB": False,
+                "ValueError: bad vocabulary": True}
     for error, fit in outcomes.items():
         monkeypatch.setattr(memory, "peak_memory", lambda *args, error=error: {"error": error})
-        assert memory.fits(cfg, 800, 1e6) is fit
+        if fit:  # not a size that does not fit: a failure of the trial
+            with pytest.raises(RuntimeError, match="failed"):
+                memory.fits(cfg, 800, 1e6)
+        else:
+            assert memory.fits(cfg, 800, 1e6) is False
+    monkeypatch.setattr(memory, "peak_memory", lambda *args: {"error": "AcceleratorError: CUDA error: an illegal "
+                                                                       "memory access was encountered"})
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        memory.fits(cfg, 800, 1e6)
     monkeypatch.setattr(memory, "peak_memory", lambda *args: {"error": "ValueError: bad vocabulary"})
     with pytest.raises(RuntimeError, match="data.batch_tokens=800 failed: ValueError: bad vocabulary"):
         memory.fits(cfg, 800, 1e6)
