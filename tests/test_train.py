@@ -804,3 +804,32 @@ def test_a_resume_may_change_the_precision_and_the_fused_optimizer(tiny_data, tm
     saved = resume("train.precision=fp16", "train.fused_optimizer=true")
     assert all(g["fused"] for g in saved["optimizer"]["param_groups"])
     assert all(s["step"] == 12 for s in saved["optimizer"]["state"].values())  # the moments went on, not anew
+
+
+def test_the_loss_pass_checks_for_a_stop_as_often_on_every_rank(tiny_data, tmp_path, monkeypatch):
+    """validation.evaluate_loss calls its `check` every CHECK_EVERY batches, and as many times as the longest
+    rank's share needs (a shorter share pads its checks: under DDP each is a collective); a stop at a check
+    abandons the pass."""
+    from summarizer.train.guard import StopRequested
+    from summarizer.train.session import open_session
+    monkeypatch.setattr(validation, "CHECK_EVERY", 2)
+    session = open_session(make_cfg(tiny_data, tmp_path / "run", "data.batch_tokens=200"))
+    try:
+        n = len(session.valid_loader)
+        assert n >= 4
+        calls = []
+        loss = validation.evaluate_loss(session.eval_model, session.valid_loader, session.rt,
+                                        check=lambda: calls.append(1))
+        assert len(calls) == n // 2
+        assert loss == validation.evaluate_loss(session.eval_model, session.valid_loader, session.rt)
+        monkeypatch.setattr(validation.runtime, "all_gather_object", lambda value, rt: [value, value + 5])
+        calls.clear()
+        validation.evaluate_loss(session.eval_model, session.valid_loader, session.rt, check=lambda: calls.append(1))
+        assert len(calls) == (n + 5) // 2  # another rank's share is 5 batches longer
+
+        def stop():
+            raise StopRequested
+        with pytest.raises(StopRequested):
+            validation.evaluate_loss(session.eval_model, session.valid_loader, session.rt, check=stop)
+    finally:
+        session.close()

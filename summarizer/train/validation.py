@@ -27,19 +27,29 @@ from summarizer.train.losses import smoothed_nll
 from summarizer.train.session import Session
 from summarizer.train.watch.module_stats import activation_rms
 
+CHECK_EVERY = 32  # validation batches between the points where a stop signal may abandon the loss pass
+
 
 @torch.inference_mode()
-def evaluate_loss(model: nn.Module, loader, rt: Runtime, activations: bool = False) -> dict:
+def evaluate_loss(model: nn.Module, loader, rt: Runtime, activations: bool = False, check=None) -> dict:
     """Token-level NLL and perplexity of a split, without dropout or graph building; with `activations`, the
-    RMS of each block's output too (summarizer/train/watch/module_stats.py; under DDP, of this rank's share)."""
-    nlls, tokens = [], 0
+    RMS of each block's output too (summarizer/train/watch/module_stats.py; under DDP, of this rank's share).
+    `check` (StopFlag.check) runs every CHECK_EVERY batches, as often on every rank: under DDP a collective, and
+    the ranks' shares of the split differ in batches, so each checks as often as the longest share needs."""
+    nlls, tokens, checked = [], 0, 0
+    checks = max(runtime.all_gather_object(len(loader), rt)) // CHECK_EVERY if check is not None else 0
     with runtime.eval_mode(model), activation_rms(model, activations) as rms:
-        for batch in loader:
+        for i, batch in enumerate(loader, start=1):
             batch = move_batch(batch, rt.device)
             with rt.compute():
                 out = model(batch["src_ids"], batch["tgt_in"])
             nlls.append(smoothed_nll(out, batch["tgt_out"], batch["src_ids"], 0.0)[1].double().to(rt.device))
             tokens += batch["n_tgt"]
+            if i % CHECK_EVERY == 0 and checked < checks:
+                check()
+                checked += 1
+    for _ in range(checked, checks):  # a share shorter than the longest: its checks still to match the others'
+        check()
     nll_sum = torch.stack(nlls).sum() if nlls else torch.zeros((), dtype=torch.float64, device=rt.device)
     totals = runtime.all_reduce_sum(torch.stack([nll_sum, torch.tensor(float(tokens), device=rt.device,
                                                                        dtype=torch.float64)]), rt)
@@ -71,7 +81,8 @@ def validate(s: Session, extra: dict, rouge: bool, stop: StopFlag | None = None)
         rescored, best_again = rescore_best(s, settings) if rouge else (None, {})
         check()
         started = time.perf_counter()
-        metrics = evaluate_loss(s.eval_model, s.valid_loader, s.rt, s.cfg.train.module_stats)
+        metrics = evaluate_loss(s.eval_model, s.valid_loader, s.rt, s.cfg.train.module_stats,
+                                stop.check if stop is not None else None)
         metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
         check()
         if rouge:  # logged with what it was measured under, and best.pt's ROUGE under that where it was re-scored
