@@ -770,14 +770,22 @@ def test_a_validation_worker_that_dies_during_validation_is_a_dead_worker_too(ti
     from summarizer.train import guard
     measured = validation.evaluate_loss
 
-    def killing(model, loader, *args):
-        """The validation loss over a loader one of whose workers is killed after its first batch."""
-        def batches():
-            for i, batch in enumerate(loader):
+    class Killing:
+        """The validation loader, one of whose workers is killed after its first batch."""
+        def __init__(self, loader):
+            self.loader = loader
+
+        def __len__(self):
+            return len(self.loader)
+
+        def __iter__(self):
+            for i, batch in enumerate(self.loader):
                 if i == 1:
-                    os.kill(loader._iterator._workers[0].pid, signal.SIGKILL)
+                    os.kill(self.loader._iterator._workers[0].pid, signal.SIGKILL)
                 yield batch
-        return measured(model, batches(), *args)
+
+    def killing(model, loader, *args):
+        return measured(model, Killing(loader), *args)
     monkeypatch.setattr(validation, "evaluate_loss", killing)
     cfg = make_cfg(tiny_data, tmp_path / "run", "train.max_steps=100", "train.eval_every=6", "data.num_workers=2",
                    "data.batch_tokens=200", "train.rouge_every=0", "train.select_by=loss")
