@@ -72,8 +72,9 @@ def read_pairs_file(path: str | Path, need_target: bool = True, need_source: boo
         if missing:
             raise DataError(f"{path}:{number}: no text field {' or '.join(repr(f) for f in missing)} (it has "
                             f"{sorted(record)}): a pairs file holds source, target and optional references")
-        empty = [name for name, text in ((("source", record["source"]),) if need_source else ()) + tuple(
-                 (f"reference {i}", r) for i, r in enumerate(refs, start=1) if need_target) if not visible(text)]
+        needed = ([("source", record["source"])] if need_source else []) + \
+            ([(f"reference {i}", r) for i, r in enumerate(refs, start=1)] if need_target else [])
+        empty = [name for name, text in needed if not visible(text)]
         if empty:
             raise DataError(f"{path}:{number}: the {' and '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty "
                             f"(no visible character): fix or remove that line")
