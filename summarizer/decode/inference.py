@@ -100,6 +100,8 @@ def copied_numbers(model, sources: list[list[int]], hyps: list[list[int]], texts
     if not meta["normalization"]["mask_digits"]:
         return out
     for i, (source, hyp, text) in enumerate(zip(sources, hyps, texts, strict=True)):
+        if not any(ch.isdigit() for ch in text):  # a prepared split's source: its digits were masked at prep
+            continue
         summary = tokenizer.decode(hyp)
         if "#" not in summary:
             continue
