@@ -1,5 +1,6 @@
 import copy
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -350,6 +351,58 @@ def test_a_batch_out_of_gpu_memory_is_decoded_in_halves(model, monkeypatch, caps
     monkeypatch.setattr(search, "decode_batch", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("oom")))
     with pytest.raises(torch.OutOfMemoryError):
         search.decode_all(model, sources[:1], big, rt)
+
+
+def test_the_check_between_batches_runs_once_per_batch_and_its_stop_ends_the_decode(model, monkeypatch):
+    """decode_all's `check` (training's stop point; under DDP a collective) runs after each batch, once per batch
+    whatever the threads or an out-of-memory split, so every rank decoding the same sources makes as many; what it
+    raises ends the decode: no batch is started after it, and the intra-op threads are restored."""
+    from summarizer import runtime
+    from summarizer.decode import search
+    torch.manual_seed(4)
+    sources = [torch.randint(4, 40, (int(n),)).tolist() for n in torch.randint(2, 12, (19,))]
+    rt = runtime.setup(SystemConfig(device="cpu"), PlacementConfig(), "fp32")
+    batches = len(search.length_batches([len(s) for s in sources], 24 // 2))
+    assert batches > 3
+    checks = []
+    for threads in (1, 2):
+        checks.clear()
+        search.decode_all(model, sources, settings(beam_size=2, batch_tokens=24, threads=threads), rt,
+                          check=lambda: checks.append(1))
+        assert len(checks) == batches
+    real, decoded = search.decode_batch, []
+
+    def small_gpu(model, src, *args):
+        if src.shape[0] > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, src, *args)
+    monkeypatch.setattr(search, "decode_batch", small_gpu)
+    checks.clear()
+    search.decode_all(model, sources, settings(beam_size=2, batch_tokens=10_000, threads=1), rt,
+                      check=lambda: checks.append(1))
+    assert len(checks) == 1  # one batch, decoded in parts
+
+    stopped = threading.Event()
+
+    def counted(*args):
+        decoded.append(1)
+        if len(decoded) > 1:
+            stopped.wait(10)  # a second worker holds its batch until the stop: it may be under way, none after it
+        return real(*args)
+
+    def stop():
+        stopped.set()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(search, "decode_batch", counted)
+    threads = torch.get_num_threads()
+    for n in (1, 2):
+        decoded.clear()
+        stopped.clear()
+        with pytest.raises(KeyboardInterrupt):
+            search.decode_all(model, sources, settings(beam_size=2, batch_tokens=24, threads=n), rt, check=stop)
+        assert torch.get_num_threads() == threads
+        assert len(decoded) <= 2 * n - 1 < batches  # the first, and one under way in each other worker
 
 
 def test_minimum_length_never_exceeds_the_source():

@@ -170,20 +170,24 @@ def test_every_rank_resumes_its_own_random_streams(tmp_path):
 
 def _rank_trains(rank: int, world: int, port: int, overrides: list[str], signal_in: str, out_dir: str) -> None:
     """One rank of a gloo run, as torchrun starts it; rank 1 sends itself SIGTERM in `signal_in`: "loss" (inside
-    validation, before its all-reduce), "bookkeeping" (after validation's last check), "last bookkeeping" (that of
-    the run's last validation, after which no step's Consensus comes), or never ("")."""
+    validation, before its all-reduce), "rouge" (as ROUGE's decoding starts; the stop checks it made are counted),
+    "bookkeeping" (after validation's last check), "last bookkeeping" (that of the run's last validation, after
+    which no step's Consensus comes), or never ("")."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import torch
 
     from summarizer.train import validation
     torch.set_num_threads(1)
+    checks = []
     if rank == 1 and signal_in:
-        name = "evaluate_loss" if signal_in == "loss" else "improves"
+        name = {"loss": "evaluate_loss", "rouge": "decode_all"}.get(signal_in, "improves")
         real, calls = getattr(validation, name), []
 
         def signalled(*args, **kwargs):
             calls.append(1)
+            if signal_in == "rouge":
+                kwargs["check"] = lambda check=kwargs["check"]: (checks.append(1), check())
             if len(calls) == (2 if signal_in.startswith("last") else 1):
                 os.kill(os.getpid(), signal.SIGTERM)
             return real(*args, **kwargs)
@@ -191,12 +195,13 @@ def _rank_trains(rank: int, world: int, port: int, overrides: list[str], signal_
         setattr(validation, name, signalled)
     summary = train(load_config(ROOT / "configs/tiny.yaml", overrides))
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"steps": summary["steps"],
-                                                                 "signal": summary["signal"]}))
+                                                                 "signal": summary["signal"], "checks": len(checks)}))
 
 
-def _train_two_ranks(run: Path, tiny_prepared: Path, signal_in: str = "") -> list[dict]:
-    """A 2-rank run of EXACT's settings with dropout (so every rank's random streams matter on resume): each
-    rank's summary. A run that has not ended in 300 s is a hang: killed, and the test fails."""
+def _train_two_ranks(run: Path, tiny_prepared: Path, signal_in: str = "", rouge: bool = False) -> list[dict]:
+    """A 2-rank run of EXACT's settings with dropout (so every rank's random streams matter on resume), with
+    validation's ROUGE on 24 pairs in 7 batches where `rouge`: each rank's summary. A run that has not ended in
+    300 s is a hang: killed, and the test fails."""
     import socket
 
     import torch.multiprocessing as mp
@@ -204,7 +209,9 @@ def _train_two_ranks(run: Path, tiny_prepared: Path, signal_in: str = "") -> lis
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     overrides = [f"data.dir={tiny_prepared}", f"run.dir={run}", f"run.tensorboard_dir={run.parent / 'tb' / run.name}",
-                 *EXACT, "model.dropout=0.1", "train.ckpt_every=100", "train.select_by=loss", "train.rouge_every=0"]
+                 *EXACT, "model.dropout=0.1", "train.ckpt_every=100", "train.select_by=loss",
+                 *(["train.rouge_every=3", "train.rouge_samples=24", "eval.batch_tokens=240", "eval.threads=1"]
+                   if rouge else ["train.rouge_every=0"])]
     (out := run.parent / f"{run.name}_summaries").mkdir(exist_ok=True)
     context = mp.start_processes(_rank_trains, args=(2, port, overrides, signal_in, str(out)), nprocs=2, join=False,
                                  start_method="spawn")
@@ -220,22 +227,26 @@ def _train_two_ranks(run: Path, tiny_prepared: Path, signal_in: str = "") -> lis
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signal_in, stopped_at", [("loss", 3), ("bookkeeping", 5), ("last bookkeeping", 6)])
+@pytest.mark.parametrize("signal_in, stopped_at", [("loss", 3), ("rouge", 3), ("bookkeeping", 5),
+                                                   ("last bookkeeping", 6)])
 def test_a_signal_to_one_rank_during_validation_stops_every_rank_at_one_step_and_resumes_exactly(
         tiny_prepared, tmp_path, signal_in, stopped_at):
     """A signal to one rank during validation's loss (its all-reduce ahead): every rank abandons the validation at
     the check after it, together, and checkpoints the step with every rank's random streams; after validation's
     last check: every rank finishes it, and the steps' Consensus stops them together two steps on; after the last
     step's: the ranks agree once the loop ends, so all report the signal (exit status, a recipe's next stage). No
-    rank is left waiting in a collective, and the resumed run logs what a run never stopped logs."""
-    reference = _train_two_ranks(tmp_path / "reference", tiny_prepared)
+    rank is left waiting in a collective, and the resumed run logs what a run never stopped logs. Inside ROUGE's
+    decoding the ranks abandon it at the check after its first batch, not at its end."""
+    rouge = signal_in == "rouge"
+    reference = _train_two_ranks(tmp_path / "reference", tiny_prepared, rouge=rouge)
     assert [r["steps"] for r in reference] == [6, 6]
-    cut = _train_two_ranks(tmp_path / "cut", tiny_prepared, signal_in)
-    assert cut == [{"steps": stopped_at, "signal": signal.SIGTERM}] * 2  # rank 0 adopted rank 1's signal
+    cut = _train_two_ranks(tmp_path / "cut", tiny_prepared, signal_in, rouge)
+    assert [(r["steps"], r["signal"]) for r in cut] == [(stopped_at, signal.SIGTERM)] * 2  # rank 0 adopted rank 1's
+    assert cut[1]["checks"] == (1 if rouge else 0)
     state = torch.load(tmp_path / "cut" / f"ckpt_{stopped_at:08d}.pt", weights_only=False)
     owed = state["progress"].get("owed", {})
-    assert len(state["rng_by_rank"]) == 2 and owed.get("validate", False) == (signal_in == "loss")
+    assert len(state["rng_by_rank"]) == 2 and owed.get("validate", False) == (signal_in in ("loss", "rouge"))
     assert ("owed" in state["progress"]) == (signal_in != "last bookkeeping")  # the last step's is all done
-    assert [r["steps"] for r in _train_two_ranks(tmp_path / "cut", tiny_prepared)] == [6, 6]
+    assert [r["steps"] for r in _train_two_ranks(tmp_path / "cut", tiny_prepared, rouge=rouge)] == [6, 6]
     for split in ("train", "valid"):
         assert_same(records(tmp_path / "cut", split), records(tmp_path / "reference", split))

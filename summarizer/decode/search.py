@@ -11,7 +11,7 @@ import contextlib
 import gc
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -171,7 +171,8 @@ def collector_paused():
 
 
 def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt: runtime.Runtime,
-               desc: str = "", lexicon: Lexicon | None = None, use_cache: bool = True) -> list[list[int]]:
+               desc: str = "", lexicon: Lexicon | None = None, use_cache: bool = True,
+               check: Callable[[], None] | None = None) -> list[list[int]]:
     """Source id sequences -> hypothesis id lists, in input order, decoded as `settings` (the eval section) says.
 
     Sources are sorted by length and cut into batches of `decode_batch_tokens` padded source tokens,
@@ -181,7 +182,9 @@ def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt
     rows per matmul one core per batch beats two cores on one batch, and the outputs are the same. The word
     rules and the byte minimum (`settings.known_words`, `no_repeat_words`, `truncate_bytes`) need the run's
     `lexicon`. `desc` names a progress bar, shown only when stderr is a terminal. `use_cache=False` recomputes
-    every prefix from scratch (the reference the KV cache is tested and benched against).
+    every prefix from scratch (the reference the KV cache is tested and benched against). `check` is called after
+    each batch (training's stop point: under DDP a collective, which every rank decoding the same `sources` reaches
+    as often, a batch that ran out of memory and was decoded in halves counting once).
     """
     if lexicon is None and (settings.known_words or settings.no_repeat_words or settings.truncate_bytes):
         raise ValueError("eval.known_words, no_repeat_words and truncate_bytes need the run's lexicon")
@@ -226,6 +229,8 @@ def decode_all(model, sources: Sequence[Sequence[int]], settings: EvalConfig, rt
                 for i, hyp in zip(idx, out, strict=True):
                     hyps[i] = hyp
                 progress.update()
+                if check is not None:
+                    check()
         finally:
             if pool is not None:
                 pool.shutdown(cancel_futures=True)

@@ -7,6 +7,7 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -78,7 +79,7 @@ def validate(s: Session, extra: dict, rouge: bool, stop: StopFlag | None = None)
     with stop.interruptible() if stop is not None else contextlib.nullcontext():
         # Every rank decodes the same subset deterministically, so all agree on the best without talking; each reads
         # best.pt before evaluate_loss's all-reduce, which no rank passes before all reach it, so before it is replaced
-        rescored, best_again = rescore_best(s, settings) if rouge else (None, {})
+        rescored, best_again = rescore_best(s, settings, check) if rouge else (None, {})
         check()
         started = time.perf_counter()
         metrics = evaluate_loss(s.eval_model, s.valid_loader, s.rt, s.cfg.train.module_stats,
@@ -86,7 +87,7 @@ def validate(s: Session, extra: dict, rouge: bool, stop: StopFlag | None = None)
         metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
         check()
         if rouge:  # logged with what it was measured under, and best.pt's ROUGE under that where it was re-scored
-            metrics.update(valid_rouge(s, s.eval_model), rouge_settings=settings, **best_again)
+            metrics.update(valid_rouge(s, s.eval_model, check), rouge_settings=settings, **best_again)
             check()
         samples = sample_summaries(s.eval_model, s.valid_ds, s.tokenizer, s.rt, s.cfg) \
             if s.rt.is_main and s.cfg.train.sample_summaries else None
@@ -115,7 +116,7 @@ def improves(metric: str, value: float, best: dict | None) -> bool:
     return value < best["value"] if metric == "loss" else value > best["value"]
 
 
-def rescore_best(s: Session, settings: dict) -> tuple[dict | None, dict]:
+def rescore_best(s: Session, settings: dict, check: Callable[[], None] | None = None) -> tuple[dict | None, dict]:
     """The best so far as these `settings` score it, where its ROUGE was measured under others (a run resumed with
     some of ROUGE_SETTINGS changed): best.pt's weights decoded again, said on stderr; and for the validation's
     record, best.pt's step and ROUGE so measured (best_step, best_rouge1, ...). (None, {}) where nothing changed
@@ -126,7 +127,7 @@ def rescore_best(s: Session, settings: dict) -> tuple[dict | None, dict]:
     path, again = s.cfg.run_dir / checkpoint.BEST, {}
     if path.is_file():
         state = checkpoint.load(path)
-        scores = valid_rouge(s, place_model(checkpoint.restore_model(state), s.rt).eval())
+        scores = valid_rouge(s, place_model(checkpoint.restore_model(state), s.rt).eval(), check)
         value = scores["rouge1"]
         again = {"best_step": state["progress"]["step"], **{f"best_{kind}": scores[kind] for kind in ROUGE_TYPES}}
     else:  # removed by hand: nothing to compare with
@@ -139,14 +140,15 @@ def rescore_best(s: Session, settings: dict) -> tuple[dict | None, dict]:
     return {**best, "value": value, "settings": settings}, again
 
 
-def valid_rouge(s: Session, model: nn.Module) -> dict:
+def valid_rouge(s: Session, model: nn.Module, check: Callable[[], None] | None = None) -> dict:
     """Greedy ROUGE-1/2/L F and the quality rates (non-words, repeats, length) of `model` on the first
-    `train.rouge_samples` valid pairs: fast, and comparable across steps."""
+    `train.rouge_samples` valid pairs: fast, and comparable across steps. `check`: the stop point between batches
+    (decode_all)."""
     if s.rouge_pairs is None:
         s.rouge_pairs = read_pairs(s.cfg.data.dir, valid_split(s.meta))[:s.cfg.train.rouge_samples]
     pairs = s.rouge_pairs
     hyps = decode_all(model, [s.valid_ds[i][0] for i in range(len(pairs))],
-                      dataclasses.replace(s.cfg.eval, beam_size=1), s.rt, lexicon=lexicon(s.cfg.data.dir))
+                      dataclasses.replace(s.cfg.eval, beam_size=1), s.rt, lexicon=lexicon(s.cfg.data.dir), check=check)
     predictions = [s.tokenizer.decode(h) for h in hyps]
     references = [p.get("references") or [p["target"]] for p in pairs]
     report = rouge_report(predictions, references, samples=0)
