@@ -119,6 +119,8 @@ def test_resume_refuses_a_changed_model_or_batch_plan(data, trained, capsys, ove
     assert main(["train", *args(data, trained, "train.max_steps=20", override)]) == 2
     err = error_of(capsys)
     assert f"{override.split('=')[0]}: {old} in the checkpoint, {new} now" in err and "run.name=NEW_NAME" in err
+    # what may change instead, as may_change decides it: whole sections and the keys the schema marks
+    assert "the run, system, eval, placement, bench, overfit sections and the keys marked resume=True" in err
     assert (trained / "config.yaml").read_bytes() == config_before  # nothing rewritten
 
 

@@ -35,7 +35,8 @@ def check_resume(checkpoint_config: dict, cfg: Config, run_dir, step: int,
         listed = "; ".join(f"{key}: {a!r} in the checkpoint, {b!r} now" for key, a, b in refused)
         raise ConfigError(f"run {run_dir} was trained with other settings that cannot change when it resumes "
                           f"({listed}). To train with the new settings, start a new run (run.name=NEW_NAME); to "
-                          f"resume this one, put the values back. Keys that may change on resume: learning rate and "
-                          f"schedule, max_steps, max_minutes, intervals, logging, devices and precision "
-                          f"(docs/practices.md, 'Checkpoints and resuming').")
+                          f"resume this one, put the values back. What may change on resume: the "
+                          f"{', '.join(RESUMABLE_SECTIONS)} sections and the keys marked resume=True in "
+                          f"summarizer/config/schema.py (the schedule, limits, intervals, logging, precision, "
+                          f"kernels, workers, prep-only data keys; docs/practices.md, 'Checkpoints and resuming').")
     return [{"step": step, "key": key, "old": a, "new": b} for key, a, b in changed if not key.startswith("run.")]
