@@ -2,14 +2,15 @@
 # The GPU's check: training speed and loss per precision from a cold start, the bench's GPU rows, decoding per
 # precision and beam, model-parallel placement and DDP, configs/gigaword.yaml's model on synthetic pairs, and
 # profiles of training's first steps, of a decode and of gigaword.yaml's steps (captured and launched from Python).
-# Ends with one Markdown table (also OUT/gpu_check.md). At most 8 minutes on one H100 (GPU_CHECK_SECONDS): the parts
-# run in the order of what they decide (1, 3, 5, 2, 6, 4), and those the budget no longer reaches are listed as skipped.
+# Ends with one Markdown table (also GPU_CHECK_OUT/gpu_check.md). At most 8 minutes on one H100 (GPU_CHECK_SECONDS):
+# the parts run in the order of what they decide (1, 3, 5, 2, 6, 4), and those the budget no longer reaches are listed
+# as skipped.
 #   bash scripts/gpu_check.sh DATA_DIR         # DATA_DIR: prepared with configs/base.yaml
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_STEPS=20 bash scripts/gpu_check.sh DATA_DIR   # the same steps on a CPU, tiny
 # Every part does not fit 8 minutes on one GPU: on an H100 parts 1, 3 and 6 take 7.5. The rest in a second call
 # (part 5: about 2.5 minutes eager, and each compiled run its compilation besides; part 2 gets what is left):
-#   GPU_CHECK_PARTS="5 2" GPU_CHECK_SECONDS=480 OUT=gpu_check_out2 bash scripts/gpu_check.sh DATA_DIR
-# Environment: PYTHON, OUT (default gpu_check_out, must not hold an earlier check), GPU_CHECK_STEPS (300),
+#   GPU_CHECK_PARTS="5 2" GPU_CHECK_SECONDS=480 GPU_CHECK_OUT=gpu_check_out2 bash scripts/gpu_check.sh DATA_DIR
+# Environment: PYTHON, GPU_CHECK_OUT (default gpu_check_out, must not hold an earlier check), GPU_CHECK_STEPS (300),
 # GPU_CHECK_CONFIG (configs/base.yaml; configs/tiny.yaml on a CPU), GPU_CHECK_SECONDS (450: parts are
 # skipped once it is spent), GPU_CHECK_PARTS ("1 2 3 4 5 6": the parts to run; 3 and 6 decode part 1's fp32 run),
 # GPU_CHECK_PRECISIONS ("fp32 bf16 fp16 auto auto_captured": part 1's runs; <precision>_captured: with
@@ -26,7 +27,7 @@ set -uo pipefail
   "python -m data_prep --config configs/base.yaml data.source=DIR data.dir=DATA_DIR)" >&2; exit 2; }
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DATA=$(realpath "$1")
-OUT=$(realpath -m "${OUT:-gpu_check_out}")
+OUT=$(realpath -m "${GPU_CHECK_OUT:-gpu_check_out}")  # not $OUT: a job's own output dir often goes by that name
 cd "$ROOT" || exit 2
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -44,7 +45,7 @@ else
     "steps on the CPU with tiny budgets: GPU_CHECK_DEVICE=cpu GPU_CHECK_STEPS=20 bash scripts/gpu_check.sh $1" >&2
   exit 1
 fi
-if [ -e "$OUT/notes.txt" ]; then echo "gpu_check: $OUT holds an earlier check: remove it or set OUT" >&2; exit 2; fi
+if [ -e "$OUT/notes.txt" ]; then echo "gpu_check: $OUT holds an earlier check: remove it or set GPU_CHECK_OUT" >&2; exit 2; fi
 mkdir -p "$OUT/logs" && : > "$OUT/notes.txt" || exit 2
 LOG=$((STEPS / 6 > 50 ? 50 : STEPS / 6)); LOG=$((LOG > 0 ? LOG : 1))
 FEW=$((STEPS / 10 > 30 ? 30 : STEPS / 10)); FEW=$((FEW > 2 ? FEW : 2))

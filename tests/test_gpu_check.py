@@ -162,11 +162,13 @@ def table_rows(text: str) -> list[list[str]]:
 def test_cpu_mode_runs_every_part_and_prints_a_number_per_row(tmp_path):
     from data_prep.__main__ import main as prep
     assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tmp_path / 'data'}"]) == 0
-    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "12", "OUT": str(tmp_path / "out"),
-           "PYTHON": sys.executable}
+    (inherited := tmp_path / "inherited").mkdir()  # an OUT of the caller's own (a job's output dir) is not ours
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "12", "GPU_CHECK_OUT": str(tmp_path / "out"),
+           "OUT": str(inherited), "PYTHON": sys.executable}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "data")], env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert not any(inherited.iterdir())
     table = (tmp_path / "out" / "gpu_check.md").read_text()
     assert table in done.stdout
     rows = table_rows(table)
@@ -198,7 +200,7 @@ def test_only_the_parts_asked_for_run(tmp_path):
     """GPU_CHECK_PARTS: the others are listed as skipped, with the reason; parts 3 and 6 need part 1's run."""
     from data_prep.__main__ import main as prep
     assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tmp_path / 'data'}"]) == 0
-    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "12", "OUT": str(tmp_path / "out"),
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "12", "GPU_CHECK_OUT": str(tmp_path / "out"),
            "PYTHON": sys.executable, "GPU_CHECK_PARTS": "4 6"}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "data")], env=env,
                           capture_output=True, text=True, timeout=600)
@@ -217,7 +219,7 @@ def test_the_bench_rows_and_the_commit_named_can_be_set(tmp_path):
     """GPU_CHECK_BENCH_ROWS: part 2 runs those rows alone; GPU_CHECK_COMMIT: the commit a copy without .git ran."""
     from tests.fixture_data import prepared
     prepared("tiny", tmp_path / "data")
-    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "12", "OUT": str(tmp_path / "out"),
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "12", "GPU_CHECK_OUT": str(tmp_path / "out"),
            "PYTHON": sys.executable, "GPU_CHECK_PARTS": "2", "GPU_CHECK_BENCH_ROWS": "set_to_none",
            "GPU_CHECK_COMMIT": "abc1234"}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "data")], env=env,
@@ -250,7 +252,7 @@ def test_a_step_the_budget_cuts_short_is_reported_not_failed(tmp_path):
     logged before the cut is in the table."""
     from data_prep.__main__ import main as prep
     assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tmp_path / 'data'}"]) == 0
-    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "100000", "OUT": str(tmp_path / "out"),
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "100000", "GPU_CHECK_OUT": str(tmp_path / "out"),
            "PYTHON": sys.executable, "GPU_CHECK_PARTS": "1", "GPU_CHECK_SECONDS": "45"}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "data")], env=env,
                           capture_output=True, text=True, timeout=300)
