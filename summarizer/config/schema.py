@@ -190,7 +190,9 @@ class EvalConfig:
     # does (a batch the GPU has no memory for is decoded in halves)
     batch_tokens: int = key(0, low=0)
     threads: int = key(0, low=0)  # batches decoded at once, one core each; 0 = one per core on CPU, 1 on GPU
-    precision: str = key("auto", choices=PRECISIONS)  # decoding: auto = fp32 (int8 layers on a CPU, TF32 on a GPU)
+    # decoding: auto = fp32 (TF32) on a GPU; on a CPU fp32 with int8 layers, or, with quantize=none, train.precision's
+    # rule: bf16 where the CPU has AVX-512 BF16 or AMX, else fp32 (decode/quantize.py decoding_precision)
+    precision: str = key("auto", choices=PRECISIONS)
     quantize: str = key("auto", choices=("auto", "none", "int8"))  # auto: int8 where decoding runs on CPU in fp32
     # static: a fixed-size KV cache and every row kept to the batch's end, one shape for every step, which a GPU
     # replays as a CUDA graph (summarizer/decode/static.py); auto = static for greedy on a GPU, else dynamic (measured)
