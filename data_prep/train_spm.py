@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 from collections.abc import Iterator
 
+import numpy as np
 import sentencepiece as spm
 from datasets import Dataset
 
@@ -12,26 +14,34 @@ from summarizer.config.schema import DataConfig
 from summarizer.data.tokenizer import BOS, EOS, MASK_PIECE, PAD, TAG_PIECE, UNK, UNK_WORD
 from summarizer.errors import DataError
 
-SPM_SEED = 20240521  # SentencePiece samples and shuffles sentences; a fixed seed makes prep reproducible
+SPM_SEED = 20240521  # draws data.spm_input_sentence_size sentences of a larger train split; seeds SentencePiece
 # Its unigram training sums statistics per thread, so the pieces depend on the thread count (1, 2, 8 and 16 threads:
 # four vocabularies of the Gigaword sample): a fixed count, data.num_proc's default, keeps the vocabulary a function
 # of the data and the config's tokenizer keys alone, on any machine
 SPM_THREADS = 2
 
 
-def _sentences(train: Dataset) -> Iterator[str]:
-    for batch in train.select_columns(["source", "target"]).iter(batch_size=10_000):
-        yield from batch["source"]
-        yield from batch["target"]
+def _sentences(train: Dataset, limit: int) -> Iterator[str]:
+    """The train split's sources and targets, in order; of more than `limit`, `limit` drawn with SPM_SEED."""
+    texts = (text for batch in train.select_columns(["source", "target"]).iter(batch_size=10_000)
+             for side in ("source", "target") for text in batch[side])
+    total = 2 * len(train)
+    if total <= limit:
+        return texts
+    keep = np.zeros(total, dtype=bool)
+    keep[np.random.default_rng(SPM_SEED).choice(total, size=limit, replace=False)] = True
+    return itertools.compress(texts, keep)
 
 
 def _train(train: Dataset, cfg: DataConfig, hard_vocab_limit: bool, tags: list[str], mask: bool) -> bytes:
     model = io.BytesIO()
     spm.set_random_generator_seed(SPM_SEED)
     spm.SentencePieceTrainer.train(
-        sentence_iterator=_sentences(train), model_writer=model,
+        sentence_iterator=_sentences(train, cfg.spm_input_sentence_size), model_writer=model,
         model_type=cfg.spm_model_type, vocab_size=cfg.vocab_size, hard_vocab_limit=hard_vocab_limit,
         character_coverage=cfg.spm_character_coverage,
+        # never more sentences than this (_sentences drew them), so SentencePiece samples none: its sampling gives
+        # another vocabulary in every process. Kept as it was, as the model file records it.
         input_sentence_size=cfg.spm_input_sentence_size, shuffle_input_sentence=True,
         num_threads=SPM_THREADS,
         pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
@@ -50,8 +60,11 @@ def _train(train: Dataset, cfg: DataConfig, hard_vocab_limit: bool, tags: list[s
 def train_spm(train: Dataset, cfg: DataConfig, tags: list[str], mask: bool = False) -> tuple[bytes, dict]:
     """Train on the train split's sources and targets, with one piece per source tag in `tags` (and the mask
     piece of denoising examples with `mask`); returns the model file's bytes and its meta."""
-    print(f"training SentencePiece ({cfg.spm_model_type}, vocab {cfg.vocab_size}) on "
-          f"{2 * len(train)} train sentences", flush=True)
+    total = 2 * len(train)
+    drawn = f"{cfg.spm_input_sentence_size} (data.spm_input_sentence_size) of " \
+        if total > cfg.spm_input_sentence_size else ""
+    print(f"training SentencePiece ({cfg.spm_model_type}, vocab {cfg.vocab_size}) on {drawn}{total} train sentences",
+          flush=True)
     hard_limit = True
     try:
         model = _train(train, cfg, hard_vocab_limit=True, tags=tags, mask=mask)

@@ -259,6 +259,22 @@ def test_spm_training_is_reproducible(tiny_prepared, tmp_path):
     assert meta["spm_sha256"] == read_meta(tiny_prepared)["spm_sha256"]
 
 
+def test_a_train_split_above_spm_input_sentence_size_gets_the_same_vocabulary_in_every_process(tmp_path):
+    """SentencePiece's own sampling of its input (680 sentences here, 200 asked for) drew other sentences in every
+    process, seed or not: prep draws them itself."""
+    import subprocess
+    import sys
+
+    models = []
+    for run in ("a", "b"):
+        subprocess.run([sys.executable, "-m", "data_prep", f"data.source={ASSETS / 'tiny'}",
+                        f"data.dir={tmp_path / run}", "data.spm_input_sentence_size=200", "data.vocab_size=64",
+                        "data.num_proc=1",
+                        "data.valid_holdout=0"], check=True, capture_output=True, cwd=Path(__file__).parents[1])
+        models.append((tmp_path / run / "spm.model").read_bytes())
+    assert models[0] == models[1]
+
+
 def test_the_vocabulary_does_not_depend_on_the_processes_prep_uses(tmp_path):
     """SentencePiece's unigram training sums its statistics per thread: its pieces change with the thread count
     (four counts, four vocabularies on the Gigaword sample), so it runs on a fixed count, not data.num_proc."""
