@@ -1,6 +1,7 @@
 """Raw pairs from a hub dataset, a directory of split files or a {split: [files]} mapping, via `datasets` builders."""
 from __future__ import annotations
 
+import codecs
 import os
 import re
 import socket
@@ -9,6 +10,7 @@ import urllib.parse
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 from datasets import Dataset, Features, List, Value
 
 from data_prep.mix import FileSpec, apply_cleaning, apply_filter, parse_entry, sha256, under
@@ -158,8 +160,7 @@ def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
 # "utf-8-sig" is the same codec and also tolerates a leading byte-order mark. A CSV cell is text as written:
 # pandas would read "NA", "null", "None", "nan" and the like as missing, and such headlines be dropped as empty.
 _DECODE = {"json": {"encoding": "utf-8-sig", "encoding_errors": "replace"},
-           "csv": {"encoding": "utf-8-sig", "encoding_errors": "replace", "na_filter": False},
-           "text": {"encoding": "utf-8-sig", "encoding_errors": "replace"}}
+           "csv": {"encoding": "utf-8-sig", "encoding_errors": "replace", "na_filter": False}}
 
 
 def _load_builder(builder: str, path: Path, cache_dir: Path, fresh: bool) -> Dataset:
@@ -237,16 +238,31 @@ def _rush_title(article: Path) -> Path:
     return article.with_name(article.name[: -len(".article.txt")] + ".title.txt")
 
 
-def _load_rush(article: Path, cache_dir: Path, fresh: bool) -> Dataset:
+def _lines(path: Path) -> pa.ChunkedArray:
+    """A text file's lines, split at "\n" alone (a CRLF ending loses its "\r"): universal newlines would split a
+    line at a lone "\r" too, and pair every later line of a Rush file with another line's partner."""
+    chunks, batch = [], []
+    for number, raw in numbered_lines(path):
+        raw = raw.removesuffix(b"\n").removesuffix(b"\r")
+        batch.append((raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw).decode("utf-8", "replace"))
+        if len(batch) == 100_000:
+            chunks.append(pa.array(batch, pa.string()))
+            batch = []
+    return pa.chunked_array([*chunks, pa.array(batch, pa.string())])
+
+
+def _load_rush(article: Path) -> Dataset:
     title = _rush_title(article)
     if not title.is_file():
         raise DataError(f"{article} has no partner file {title}: Rush-style splits need both files")
-    texts = [_load_builder("text", p, cache_dir, fresh) for p in (article, title)]
+    texts = [_lines(p) for p in (article, title)]
+    for path, lines in zip((article, title), texts, strict=True):
+        if len(lines) == 0:
+            raise DataError(f"{path} holds no rows: remove it or fill it with pairs")
     if len(texts[0]) != len(texts[1]):
         raise DataError(f"{article} has {len(texts[0])} lines but {title} has {len(texts[1])}: line i of "
                         f"one must pair with line i of the other; fix the files (nothing was truncated)")
-    ds = datasets.concatenate_datasets([texts[0].rename_column("text", "source"),
-                                        texts[1].rename_column("text", "target")], axis=1)
+    ds = Dataset.from_dict({"source": texts[0], "target": texts[1]})
     ds = ds.add_column("references", [[]] * len(ds))
     return ds.add_column("tag", [""] * len(ds)).cast(FEATURES)
 
@@ -258,7 +274,7 @@ def load_file(spec: FileSpec, cfg: DataConfig, cache_dir: Path) -> tuple[Dataset
     if not path.is_file():
         raise DataError(f"{path} does not exist: fix data.source")
     if path.name.endswith(".article.txt"):
-        ds = _load_rush(path, cache_dir, cfg.rebuild)
+        ds = _load_rush(path)
         rows = kept = len(ds)
     else:
         builder = "csv" if path.name.endswith(".csv") else "json"

@@ -54,6 +54,20 @@ def test_rush_pair_is_read_line_by_line(tmp_path):
     assert len(splits["valid"]) == 2
 
 
+def test_a_carriage_return_inside_a_rush_line_splits_nothing(tmp_path):
+    """Universal newlines split a line at a lone \r: one in an article line and one in a later title line kept the
+    counts equal and paired every line between them with its neighbour's title."""
+    source = tmp_path / "src"
+    source.mkdir()
+    articles = [f"article {i} words" for i in range(6)]
+    titles = [f"title {i}" for i in range(6)]
+    articles[1], titles[4] = "article 1 \r words", "title \r 4"
+    (source / "train.article.txt").write_bytes("".join(f"{a}\n" for a in articles).encode())
+    (source / "train.title.txt").write_bytes("".join(f"{t}\r\n" for t in titles).encode())  # CRLF endings
+    splits, _ = _load(tmp_path, f"data.source={source}")
+    assert list(splits["train"]["source"]) == articles and list(splits["train"]["target"]) == titles
+
+
 def test_csv_uses_configured_field_names(tmp_path):
     splits, _ = _load(tmp_path, f"data.source={ASSETS / 'csv'}", "data.source_field=document",
                       "data.target_field=summary")
