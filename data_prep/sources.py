@@ -88,6 +88,14 @@ def _mapping_files(source: dict, root: str) -> dict[str, list[FileSpec]]:
                 raise DataError(f"{path} has an unknown format: list .jsonl, .jsonl.gz, .csv, or the "
                                 f"NAME.article.txt of a Rush pair (its NAME.title.txt is read alongside)")
         splits[split] = specs
+    listed: dict[Path, tuple[str, tuple]] = {}
+    for split, specs in splits.items():
+        for spec in specs:
+            other, wanted = listed.setdefault(spec.path.resolve(), (split, spec.filter))
+            # both filtered, and differently: one file may hold several splits, told apart by a field
+            if other != split and not (wanted and spec.filter and wanted != spec.filter):
+                raise ConfigError(f"data.source lists {spec.path} under both {other} and {split}: its pairs would be "
+                                  f"in both; list it under one (or tell its records apart with a 'filter' in each)")
     return splits
 
 

@@ -110,6 +110,15 @@ def test_yaml_mapping_source(tmp_path):
     assert len(splits["test"]) == 3
 
 
+def test_a_file_listed_under_two_splits_of_a_mapping_source_is_refused(tmp_path):
+    """Model selection on the test set, as a directory source mapped that way is refused."""
+    test = str(ASSETS / "jsonl/test_dev.jsonl.gz")
+    source = f"data.source={{train: [{ASSETS / 'jsonl/train.jsonl'}], valid: [{test}], test: [{test}]}}"
+    with pytest.raises(ConfigError, match="lists .*test_dev.jsonl.gz under both valid and test: its pairs would be "
+                                          "in both"):
+        _load(tmp_path, source)
+
+
 def test_missing_train_split_names_what_was_found(tmp_path):
     with pytest.raises(DataError, match=r"no train split.*\['train', 'valid'\]"):
         _load(tmp_path, f"data.source={ASSETS / 'rush'}", "data.splits={train: [training]}")
@@ -462,10 +471,11 @@ def test_several_sources_with_their_own_reader_settings_in_one_prepared_dir(tmp_
          "target": "Team Sets Date (SPACE.com)"}])
     plain = _write_jsonl(tmp_path / "plain.jsonl",
                          [{"source": "the mayor opened a park .", "target": "mayor opens park"}])
+    test = _write_jsonl(tmp_path / "test.jsonl", [{"source": "the mayor closed a road .", "target": "road closed"}])
     source = {"train": [str(plain),
                         {"path": str(wire), "filter": {"prose": True}, "clean": ["ticker_tags"], "tag": "wire"},
                         {"path": str(ag), "clean": ["agency_prefix", "agency_suffix"], "tag": "ag"}],
-              "test": [str(plain)]}
+              "test": [str(test)]}
     cfg = data_config(tmp_path / "out", "data.splits={train: [train], test: [test]}", "data.vocab_size=60")
     cfg.source = source
     meta = prepare(cfg)
@@ -573,8 +583,9 @@ def test_source_tags_put_each_pairs_tag_piece_first_and_untagged_text_gets_the_a
                                                    "target": "OIL PRICES RISE"} for day in days])
     news = _write_jsonl(tmp_path / "news.jsonl", [{"source": f"the mayor opened a new park on {day} .",
                                                    "target": "mayor opens park"} for day in days])
+    untagged = _write_jsonl(tmp_path / "test.jsonl", [json.loads(line) for line in news.read_text().splitlines()])
     source = {"train": [{"path": str(news), "tag": "news"}, {"path": str(wire), "tag": "wire"}],
-              "test": [str(news)]}
+              "test": [str(untagged)]}
     cfg = data_config(tmp_path / "out", "data.splits={train: [train], test: [test]}", "data.vocab_size=60",
                       "data.valid_holdout=0", "data.source_tag=news")
     cfg.source = source
