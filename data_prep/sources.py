@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import codecs
+import json
 import os
 import re
 import socket
@@ -208,11 +209,29 @@ def _field(ds: Dataset, name: str, key: str, origin: str) -> str:
     return found[0]
 
 
+def _refuse_non_text(ds: Dataset, fields: list[str], origin: str) -> None:
+    """A source or target that is not text (a list, a number) is refused, at its line in a JSON Lines `origin`:
+    cast to text, a list became its JSON and a number its digits, and one number among texts made datasets read
+    the whole column as JSON, every text in quotes."""
+    for field in fields:
+        if ds.features[field] in (Value("string"), Value("large_string"), Value("null")):
+            continue
+        where, value = origin, f"{ds.features[field]} values"
+        if origin.endswith((".jsonl", ".jsonl.gz")):
+            records = ((n, parse_record(raw)) for n, raw in numbered_lines(origin) if raw.strip())
+            where, value = next(((f"{origin}:{n}", json.dumps(r[field])[:80]) for n, r in records if
+                                 isinstance(r, dict) and not isinstance(r.get(field, ""), (str, type(None)))),
+                                (where, value))
+        raise DataError(f"{where}: field '{field}' holds {value}, not text: fix or remove that line, or set "
+                        f"data.source_field/target_field to the fields that hold the texts")
+
+
 def _standardize(ds: Dataset, cfg: DataConfig, origin: str) -> Dataset:
     """Rename the configured fields to source/target/references and cast to FEATURES."""
     source_field = _field(ds, cfg.source_field, "source_field", origin)
     target_field = _field(ds, cfg.target_field, "target_field", origin)
     has_refs = cfg.references_field in ds.column_names
+    _refuse_non_text(ds, [source_field, target_field], origin)
     keep = [source_field, target_field] + ([cfg.references_field] if has_refs else [])
     ds = ds.select_columns(keep)
     names = zip(keep, ("source", "target", "references")[:len(keep)], strict=True)
@@ -232,6 +251,7 @@ def _standardize_unpaired(ds: Dataset, cfg: DataConfig, origin: str) -> Dataset:
     """Sentences without headlines (data.source_field, or `text`) as pairs of each sentence with itself."""
     field = "text" if "text" in ds.column_names and cfg.source_field not in ds.column_names \
         else _field(ds, cfg.source_field, "source_field", origin)
+    _refuse_non_text(ds, [field], origin)
     sentences = ds.select_columns([field]).rename_columns({field: "source"} if field != "source" else {})
     ds = sentences.add_column("target", sentences["source"])
     ds = ds.add_column("references", [[]] * len(ds)).add_column("tag", [""] * len(ds))

@@ -402,6 +402,20 @@ def test_a_split_file_without_rows_is_named_so(tmp_path, name, content):
         prepare(data_config(tmp_path / "prep", f"data.source={{train: [{tmp_path / name}]}}"))
 
 
+@pytest.mark.parametrize("bad, line", [({"source": ["a", "b"], "target": "t"}, 3),
+                                       ({"source": "s", "target": 12345}, 3), ({"source": "s", "target": 7}, 1)])
+def test_a_field_that_is_not_text_is_refused_naming_its_line(tmp_path, bad, line):
+    """Cast to text, a list became its JSON ("-lsb- `` a '' ..."), a number its digits; and one number before the
+    texts turned every text of its column into JSON, quotes and all."""
+    records = [{"source": "a storm cut power", "target": "storm cuts power"}] * 2
+    records.insert(line - 1, bad)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    field = next(k for k, v in bad.items() if not isinstance(v, str))
+    shown = re.escape(json.dumps(bad[field]))
+    with pytest.raises(DataError, match=f"train.jsonl:{line}: field '{field}' holds {shown}, not text"):
+        _load(tmp_path, f"data.source={tmp_path}")
+
+
 def test_csv_headlines_that_read_as_missing_values_are_kept_as_text(tmp_path):
     """pandas reads "NA", "null", "None" and "nan" as missing: as headlines they are words."""
     source = tmp_path / "src"
