@@ -41,7 +41,8 @@ prep: install
 	$(PY) -m data_prep --config $(CONFIG) $(ARGS)
 
 # train and eval depend on the prepared data as Make targets do on their inputs: a missing data.dir is
-# prepared from data.source first (an existing one is used as it is; `make prep` checks it against its inputs).
+# prepared from data.source first; an existing one prepared from other inputs or data settings is refused, as by
+# `make prep`.
 train: install
 	$(PY) -m data_prep --if-missing --config $(CONFIG) $(ARGS)
 	$(PY) -m summarizer train --config $(CONFIG) $(ARGS)

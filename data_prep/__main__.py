@@ -17,23 +17,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.source=DIR data.dir=data/gw")
     parser.add_argument("--if-missing", action="store_true",
                         help="prepare only when data.dir holds no prepared data (what `make train` and `make eval` "
-                             "run first); an existing one is used as it is")
+                             "run first); one prepared from these inputs and data settings is used as it is, one "
+                             "prepared from others is refused naming what differs (data.rebuild=true rebuilds it)")
     args = parser.parse_args(argv)
     try:
         from data_prep import prepare  # torch and datasets load here, inside the Ctrl-C handling
-        from summarizer.data.prepared import META_FILE
+        from data_prep.pipeline import prepared_changes
         cfg = load_config(args.config, args.overrides).data
-        if args.if_missing and (Path(cfg.dir) / META_FILE).is_file():
-            from data_prep.pipeline import other_settings
-            if changed := other_settings(Path(cfg.dir), cfg):
-                print(f"note: {cfg.dir} was prepared with other data settings ({'; '.join(changed)}); it is used as "
-                      f"it is. To apply them, prepare into a new data.dir (or pass data.rebuild=true to replace "
-                      f"this one: runs trained on it could no longer resume)", file=sys.stderr)
-            return 0
         if args.if_missing:
-            source = (f"data.source={cfg.source!r}" if not isinstance(cfg.source, dict) else "the files data.source "
-                      "lists" + (f" under data.root={cfg.root}" if cfg.root else ""))
-            print(f"{cfg.dir} is not prepared yet: preparing it from {source} first", flush=True)
+            changed = prepared_changes(Path(cfg.dir), cfg)
+            if changed == []:
+                return 0
+            if changed is None:
+                source = (f"data.source={cfg.source!r}" if not isinstance(cfg.source, dict) else "the files "
+                          "data.source lists" + (f" under data.root={cfg.root}" if cfg.root else ""))
+                print(f"{cfg.dir} is not prepared yet: preparing it from {source} first", flush=True)
         prepare(cfg)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -7,46 +7,101 @@ import time
 from pathlib import Path
 
 from data_prep.clean import clean_split, hold_out
+from data_prep.mix import sha256
 from data_prep.sources import PRODUCT_SPLITS, input_files, is_hub, load_splits
 from data_prep.tokenize import encode_split, token_dtype, write_split
 from data_prep.train_spm import train_spm
 from summarizer.config.schema import DataConfig
-from summarizer.data.prepared import FORMAT_VERSION, META_FILE, SHAPING_KEYS, SPM_FILE, differing_settings, split_files
+from summarizer.data.prepared import FORMAT_VERSION, META_FILE, SHAPING_KEYS, SPM_FILE, split_files
 from summarizer.data.tokenizer import BOS, EOS, PAD, UNK
 from summarizer.errors import ConfigError, DataError
 from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
 
-PREP_VERSION = 1  # bump when cleaning or tokenization changes, so existing prepared dirs are rebuilt
+# Bump when cleaning or tokenization changes: a dir prepared by another version is then refused, naming it, until
+# rebuilt. Recorded in meta.json since version 1, so a meta.json without it is version 1's.
+PREP_VERSION = 1
 CACHE_DIR = ".hf_cache"  # datasets' cache inside data.dir: nothing is written to the home directory
 # Every data key that changes what prep writes; loader-only keys (batching, workers) are left out.
 OUTPUT_KEYS = ("source", "source_field", "target_field", "references_field", "splits", "valid_holdout",
                "lowercase", "mask_digits", "word_tokenizer", "max_source_words", "max_target_words", "vocab_size",
                "spm_model_type", "spm_character_coverage", "spm_input_sentence_size")
-# Of those, SHAPING_KEYS (summarizer/data/prepared.py) shape the pairs and pieces rather than name where they come
-# from: an existing dir prepared with other values is used as it is by `--if-missing` (make train, make eval), which
-# says so.
 # Below this many rows per process, starting worker processes costs more than it saves.
 MIN_ROWS_PER_PROC = 20_000
 
 
 def fingerprint(cfg: DataConfig) -> str:
     """sha256 over the inputs (paths, sizes, mtimes; or the hub name) and every output-affecting key."""
-    payload = {"format_version": FORMAT_VERSION, "prep_version": PREP_VERSION,
-               "data": {key: getattr(cfg, key) for key in OUTPUT_KEYS}}
-    if cfg.source_tag:  # only when set, so dirs prepared before the key existed stay up to date
-        payload["data"]["source_tag"] = cfg.source_tag
+    payload = {"format_version": FORMAT_VERSION, "prep_version": PREP_VERSION, "data": _settings(cfg)}
     if not is_hub(cfg.source):
         payload["files"] = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in input_files(cfg)]
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def is_up_to_date(data_dir: Path, fp: str) -> bool:
+def _settings(cfg: DataConfig) -> dict:
+    """The data keys prep's output depends on, as meta.json gives them back (tuples as lists, paths as text)."""
+    data = {key: getattr(cfg, key) for key in OUTPUT_KEYS}
+    if cfg.source_tag:  # only when set, so dirs prepared before the key existed stay up to date
+        data["source_tag"] = cfg.source_tag
+    return json.loads(json.dumps(data, default=str))
+
+
+def prepared_from(cfg: DataConfig, made: dict) -> dict:
+    """The data keys and each input file (size, modification time, sha256) that prep's output depends on. A file's
+    sha256 is taken from `made`, meta.json's record of an earlier prep, while its size and time are unchanged."""
+    files = {}
+    for path in [] if is_hub(cfg.source) else input_files(cfg):
+        stat, name = path.stat(), str(path.resolve())
+        stamp, old = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}, made.get("files", {}).get(name, {})
+        same = all(old.get(key) == value for key, value in stamp.items())
+        files[name] = {**stamp, "sha256": old["sha256"] if same else sha256(path)}
+    return {"data": _settings(cfg), "files": files}
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _changes(meta: dict, cfg: DataConfig) -> list[str]:
+    """What differs between what a prepared dir's meta.json was made from and what `cfg` asks for."""
+    changed = [f"prep version {meta.get('prep_version', 1)} -> {PREP_VERSION}"] \
+        if meta.get("prep_version", 1) != PREP_VERSION else []
+    made, legacy = meta.get("prepared_from"), "prepared_from" not in meta
+    if legacy:  # written before prepared_from: its fingerprint covers every key and file, its record fewer
+        if meta.get("fingerprint") == fingerprint(cfg):
+            return changed
+        made = {"data": {**_settings(cfg), **meta.get("settings", {}), "source": meta.get("source")},
+                "files": {str(Path(i["path"]).resolve()): i for i in meta.get("inputs", []) if "sha256" in i}}
+    now = prepared_from(cfg, made)
+    old_data, new_data = made["data"], now["data"]
+    changed += [f"data.{key} {_shown(old_data.get(key))} -> {_shown(new_data.get(key))}"
+                for key in sorted(old_data.keys() | new_data.keys()) if old_data.get(key) != new_data.get(key)]
+    for name in sorted(made["files"].keys() | now["files"].keys()):
+        old, new = made["files"].get(name), now["files"].get(name)
+        if old is None and legacy:  # not recorded (a Rush title): the note below says so
+            continue
+        if old is None or new is None:
+            changed.append(f"{name} {'is no longer' if new is None else 'is now'} an input")
+        elif old["sha256"] != new["sha256"]:
+            changed.append(f"{name} changed (another sha256)")
+    if not changed and legacy:
+        changed.append("its meta.json predates the record of each input and data key: the same recorded input "
+                       "contents and keys, but other file times, a Rush title's contents, or another "
+                       "data.source_field, target_field, references_field or splits")
+    return changed
+
+
+def prepared_changes(data_dir: Path, cfg: DataConfig) -> list[str] | None:
+    """None when data_dir holds no prepared data (no readable meta.json); else what differs between what it was
+    prepared from (inputs, data.* keys, PREP_VERSION) and what `cfg` asks for, each named: [] when up to date."""
     try:
         meta = json.loads((data_dir / META_FILE).read_text())
     except (OSError, ValueError):
-        return False
+        return None
+    if not isinstance(meta, dict):
+        return None
     needed = [SPM_FILE] + [f for split in meta.get("splits", {}) for f in split_files(split).values()]
-    return meta.get("fingerprint") == fp and all((data_dir / f).is_file() for f in needed)
+    return [f"{name} is missing" for name in needed if not (data_dir / name).is_file()] + _changes(meta, cfg)
 
 
 def worker_count(rows: int, num_proc: int) -> int | None:
@@ -109,34 +164,13 @@ def source_tags(splits: dict, source_tag: str) -> list[str]:
     return tags
 
 
-def other_settings(data_dir: Path, cfg: DataConfig) -> list[str]:
-    """The SHAPING_KEYS a prepared dir was made with that differ from `cfg`'s ("key old -> new"); none for a dir
-    prepared before meta.json recorded them."""
-    try:
-        meta = json.loads((data_dir / META_FILE).read_text())
-    except (OSError, ValueError):
-        return []
-    return [f"data.{key} {made} -> {now}" for key, made, now in differing_settings(cfg, meta)]
-
-
-def refuse_silent_rebuild(data_dir: Path, cfg: DataConfig) -> None:
+def refuse_silent_rebuild(data_dir: Path, changed: list[str]) -> None:
     """A prepared dir whose inputs or settings changed is rebuilt only when asked (data.rebuild=true): the
     rebuild trains a new tokenizer, and runs trained on the old one could no longer be resumed or evaluated."""
-    try:
-        old = json.loads((data_dir / META_FILE).read_text())
-    except (OSError, ValueError):
-        return  # nothing prepared there (or a broken remnant): nothing a run could depend on
-    if cfg.rebuild:
-        return
-    changed = [f"vocab_size {old.get('requested_vocab_size')} -> {cfg.vocab_size}"] \
-        if old.get("requested_vocab_size") != cfg.vocab_size else []
-    changed += [f"data.source {old.get('source')!r} -> {cfg.source!r}"] if old.get("source") != cfg.source else []
-    words = old.get("normalization", {}).get("words", "none")
-    changed += [f"data.word_tokenizer {words} -> {cfg.word_tokenizer}"] if words != cfg.word_tokenizer else []
-    raise DataError(f"data.dir={data_dir} holds data prepared from other inputs or settings "
-                    f"({'; '.join(changed) or 'the input files or other data.* keys changed'}). Rebuilding it "
-                    f"replaces its tokenizer, and runs trained on it could no longer resume or be evaluated. "
-                    f"Prepare into a new data.dir, or pass data.rebuild=true to replace it")
+    raise DataError(f"data.dir={data_dir} holds data prepared from other inputs or settings ({'; '.join(changed)}). "
+                    f"Rebuilding it replaces its tokenizer, and runs trained on it could no longer resume or be "
+                    f"evaluated. Give the data.* settings it was prepared from, prepare into a new data.dir, or "
+                    f"pass data.rebuild=true to replace it")
 
 
 def _clear_outputs(data_dir: Path) -> None:
@@ -153,13 +187,15 @@ def prepare(cfg: DataConfig) -> dict | None:
     data_dir = Path(cfg.dir)
     if not is_hub(cfg.source):
         refuse_overlap(data_dir, input_files(cfg) + ([cfg.source] if isinstance(cfg.source, str) else []), "data.dir")
-    fp = fingerprint(cfg)
-    if not cfg.rebuild and is_up_to_date(data_dir, fp):  # asked to rebuild: inputs may change unseen (size, mtime)
+    changed = prepared_changes(data_dir, cfg)
+    if not cfg.rebuild and changed == []:  # asked to rebuild: inputs may change unseen (size, mtime)
         print(f"{data_dir} is up to date (same inputs and data settings): nothing to do", flush=True)
         return None
     # only a dir this product marked as its data dir is ever rebuilt: a meta.json beside a user's files proves nothing
     claim_dir(data_dir, "data", "data.dir")
-    refuse_silent_rebuild(data_dir, cfg)
+    if changed and not cfg.rebuild:
+        refuse_silent_rebuild(data_dir, changed)
+    made, fp = prepared_from(cfg, {}), fingerprint(cfg)  # the inputs as they are before prep reads them
     cleaned, raw_pairs, dropped, held, inputs = _load_and_clean(cfg, data_dir)
     tags = source_tags(cleaned, cfg.source_tag)
     unpaired = unpaired_tags(inputs)
@@ -173,14 +209,14 @@ def prepare(cfg: DataConfig) -> dict | None:
                                worker_count(len(pairs), cfg.num_proc), cfg.source_tag)
         stats[split] = write_split(data_dir, split, pairs, encoded, dtype)
     meta = {
-        "format_version": FORMAT_VERSION, "vocab_size": spm_info["vocab_size"],
+        "format_version": FORMAT_VERSION, "prep_version": PREP_VERSION, "vocab_size": spm_info["vocab_size"],
         "requested_vocab_size": spm_info["requested_vocab_size"],
         "special_ids": {"pad": PAD, "unk": UNK, "bos": BOS, "eos": EOS},
         "spm_model": SPM_FILE, "spm_sha256": spm_info["sha256"], "dtype": dtype.name,
         "normalization": {"lowercase": cfg.lowercase, "mask_digits": cfg.mask_digits, "words": cfg.word_tokenizer,
                           **({"source_tag": cfg.source_tag} if cfg.source_tag else {})},
         "source": cfg.source, "splits": stats, "raw_pairs": raw_pairs, "dropped": dropped,
-        "held_out_as_valid": held, "inputs": inputs, "fingerprint": fp,
+        "held_out_as_valid": held, "inputs": inputs, "fingerprint": fp, "prepared_from": made,
         "settings": {key: getattr(cfg, key) for key in SHAPING_KEYS},
         **({"unpaired_tags": unpaired} if unpaired else {}),
         "seconds": round(time.perf_counter() - start, 2),

@@ -567,21 +567,60 @@ def test_without_a_network_the_hub_source_fails_in_seconds_saying_what_to_do(tmp
     reach_hub("Harvard/gigaword")
 
 
-def test_if_missing_prepares_only_an_unprepared_dir(tmp_path, capsys):
-    """What `make train` and `make eval` run first: a missing data.dir is prepared, an existing one is used as it
-    is (even when data.source now says something else: rebuilding is `make prep`'s job)."""
+def test_if_missing_prepares_an_unprepared_dir_and_refuses_one_prepared_from_other_inputs(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """What `make train` and `make eval` run first: a missing data.dir is prepared, one prepared from these inputs
+    and settings used as it is; one prepared from another data.source, with other settings or by another prep
+    version was used silently: refused as `make prep` refuses it, naming what differs, or rebuilt when asked."""
     args = ["--if-missing", f"data.dir={tmp_path}", f"data.source={ASSETS / 'rush'}", "data.vocab_size=64",
             "data.num_proc=1", "data.valid_holdout=0"]
     assert main(args) == 0
     assert "not prepared yet" in capsys.readouterr().out and (tmp_path / "meta.json").is_file()
     before = (tmp_path / "meta.json").read_text()
-    assert main([*args[:2], "data.source=/nowhere", "data.vocab_size=64", "data.valid_holdout=0"]) == 0
-    assert capsys.readouterr().out == "" and (tmp_path / "meta.json").read_text() == before
-    # settings that shape the pairs, asked for and not applied: said, not silently ignored
-    assert main([*args, "data.max_source_words=3"]) == 0
-    captured = capsys.readouterr()
-    assert captured.out == "" and (tmp_path / "meta.json").read_text() == before
-    assert "prepared with other data settings (data.max_source_words 120 -> 3); it is used as it is" in captured.err
+    assert main(args) == 0 and capsys.readouterr().out == "" and (tmp_path / "meta.json").read_text() == before
+    for change, named in ((f"data.source={ASSETS / 'jsonl'}", f"data.source '{ASSETS / 'rush'}' -> "
+                                                             f"'{ASSETS / 'jsonl'}'"),
+                          ("data.max_source_words=3", "data.max_source_words 120 -> 3")):
+        assert main([*args, change]) == 2
+        err = capsys.readouterr().err
+        assert named in err and "pass data.rebuild=true to replace it" in err
+        assert (tmp_path / "meta.json").read_text() == before
+    monkeypatch.setattr("data_prep.pipeline.PREP_VERSION", 2)
+    assert main(args) == 2 and "(prep version 1 -> 2)" in capsys.readouterr().err
+    assert main([*args, "data.rebuild=true"]) == 0 and read_meta(tmp_path)["prep_version"] == 2
+
+
+def test_a_meta_json_without_a_prep_version_or_input_record_is_still_read(tmp_path, capsys):
+    """Dirs prepared before meta.json recorded them: prep version 1, up to date by their fingerprint."""
+    args = [f"data.dir={tmp_path}", f"data.source={ASSETS / 'rush'}", "data.vocab_size=64", "data.num_proc=1",
+            "data.valid_holdout=0"]
+    assert main(args) == 0
+    meta = read_meta(tmp_path)
+    del meta["prep_version"], meta["prepared_from"]
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert main(["--if-missing", *args]) == 0 and capsys.readouterr().out == ""
+    assert main([*args, "data.max_source_words=3"]) == 2
+    assert "(data.max_source_words 120 -> 3)" in capsys.readouterr().err
+
+
+def test_an_input_with_another_modification_time_is_compared_by_its_contents(tmp_path, capsys):
+    """`touch train.jsonl` made prep refuse a rebuild; a changed input is named."""
+    import os
+    source = tmp_path / "src"
+    source.mkdir()
+    train = source / "train.jsonl"
+    train.write_text("".join(f'{{"source": "words number {i} here", "target": "n {i}"}}\n' for i in range(40)))
+    args = [f"data.dir={tmp_path / 'out'}", f"data.source={source}", "data.splits={train: [train]}",
+            "data.vocab_size=40", "data.num_proc=1", "data.valid_holdout=0"]
+    assert main(args) == 0
+    os.utime(train, ns=(train.stat().st_mtime_ns + 10**9,) * 2)
+    capsys.readouterr()
+    assert main(args) == 0 and "nothing to do" in capsys.readouterr().out
+    with train.open("a") as fh:
+        fh.write('{"source": "one more pair", "target": "more"}\n')
+    assert main(args) == 2
+    assert f"({train} changed (another sha256))" in capsys.readouterr().err
 
 
 def test_source_tags_put_each_pairs_tag_piece_first_and_untagged_text_gets_the_asked_one(tmp_path):
@@ -647,7 +686,7 @@ def test_every_source_is_split_into_ptb_words_as_raw_input_is_at_inference(tmp_p
     tok = Tokenizer(tmp_path / "out" / "spm.model")
     assert tok.encode_raw(raw[0]["source"], meta["normalization"]) == tok.encode(tokenized[0]["source"])
     cfg.word_tokenizer = "none"
-    with pytest.raises(DataError, match="data.word_tokenizer ptb -> none"):
+    with pytest.raises(DataError, match="data.word_tokenizer 'ptb' -> 'none'"):
         prepare(cfg)
 
 
