@@ -119,6 +119,15 @@ def test_a_file_listed_under_two_splits_of_a_mapping_source_is_refused(tmp_path)
         _load(tmp_path, source)
 
 
+def test_a_valid_split_mapped_to_train_is_said(tmp_path, capsys):
+    """The recipe's data.splits trains on the source's valid split: said, not silent."""
+    _load(tmp_path, f"data.source={ASSETS / 'jsonl'}", "data.splits={train: [train, valid]}")
+    assert "note: source split(s) valid are mapped to train (data.splits.train=['train', 'valid'])" \
+        in capsys.readouterr().out
+    _load(tmp_path, f"data.source={ASSETS / 'jsonl'}")
+    assert "mapped to train" not in capsys.readouterr().out
+
+
 def test_missing_train_split_names_what_was_found(tmp_path):
     with pytest.raises(DataError, match=r"no train split.*\['train', 'valid'\]"):
         _load(tmp_path, f"data.source={ASSETS / 'rush'}", "data.splits={train: [training]}")
