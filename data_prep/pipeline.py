@@ -123,6 +123,7 @@ def _load_and_clean(cfg: DataConfig, data_dir: Path) -> tuple[dict, dict, dict, 
     if shared:
         raise ConfigError(f"data.source: tag(s) {', '.join(shared)} name both headline pairs and unpaired "
                           f"sentences: give the unpaired files a tag of their own (training noises every pair of it)")
+    source_tags(raw, cfg.source_tag)  # a tag no entry has is named before the hold-out finds no pairs of it
     if ignored:
         print(f"note: source split(s) {', '.join(ignored)} are not mapped to train/valid/test and are ignored; "
               f"to use one, give data.splits whole, e.g. data.splits='{{train: [train], test: [{ignored[0]}]}}'",

@@ -725,6 +725,18 @@ def test_the_valid_split_is_held_out_of_the_asked_for_tag_only(tmp_path):
     assert all(p["source"].startswith("own") for p in read_pairs(tmp_path / "out", "valid"))
 
 
+def test_a_source_tag_no_entry_has_is_named_before_the_hold_out(tmp_path):
+    """A typo said that data.valid_holdout would leave no train pairs."""
+    from data_prep import prepare
+    cfg = data_config(tmp_path / "out", "data.splits={train: [train]}", "data.valid_holdout=5",
+                      "data.source_tag=gigaword")
+    pairs = [{"source": f"pair number {i}", "target": f"n {i}"} for i in range(30)]
+    cfg.source = {"train": [{"path": str(_write_jsonl(tmp_path / "gw.jsonl", pairs)), "tag": "gw"}]}
+    with pytest.raises(DataError, match=r"data.source_tag='gigaword' is not the tag of any data.source entry "
+                                        r"\(tags: gw\)"):
+        prepare(cfg)
+
+
 def test_unpaired_sentences_become_pairs_with_themselves_tagged_and_never_held_out(tmp_path):
     """An `unpaired` entry reads sentences (its `text` field) as pairs of each sentence with itself, under its
     tag; meta.json names its tags, the tokenizer gets the mask piece, and valid is held out of pairs only."""
