@@ -404,6 +404,14 @@ def test_bad_inputs_raise_clear_data_errors(tmp_path, source, pattern):
     assert not (tmp_path / "prep" / "meta.json").exists()
 
 
+def test_a_bad_line_of_a_gzip_file_without_the_gz_ending_is_named(tmp_path):
+    """datasets reads a gzip file by its first bytes, whatever its name: the bad line was sought in the compressed
+    bytes, and reported as line 1."""
+    (tmp_path / "train.jsonl").write_bytes(gzip.compress(b'{"source": "a b", "target": "a"}\n' * 2 + b"{not json\n"))
+    with pytest.raises(DataError, match="train.jsonl:3: malformed JSON"):
+        _load(tmp_path, f"data.source={tmp_path}")
+
+
 @pytest.mark.parametrize("name, content", [("blank.jsonl", b"\n  \n\n"), ("nothing.jsonl.gz", gzip.compress(b""))])
 def test_a_split_file_without_rows_is_named_so(tmp_path, name, content):
     (tmp_path / name).write_bytes(content)

@@ -12,14 +12,15 @@ from summarizer.errors import DataError
 
 
 def numbered_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, raw bytes) of a text file, gunzipped when it ends in .gz; a file that is not
-    the gzip it claims to be, or is cut short, is a DataError naming it."""
+    """(1-based line number, raw bytes) of a text file, gunzipped when it ends in .gz or starts as gzip does; a
+    file that is not the gzip it claims to be, or is cut short, is a DataError naming it."""
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{path} is a directory: give a pairs file (.jsonl or .jsonl.gz) inside it")
     if not path.is_file():
         raise DataError(f"{path} does not exist: check the path")
-    opener = gzip.open if path.name.endswith(".gz") else open
+    with open(path, "rb") as fh:  # a gzip file by its first bytes too: readers (datasets) take it so by any name
+        opener = gzip.open if path.name.endswith(".gz") or fh.read(2) == b"\x1f\x8b" else open
     try:
         with opener(path, "rb") as fh:
             yield from enumerate(fh, start=1)
