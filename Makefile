@@ -41,8 +41,8 @@ prep: install
 	$(PY) -m data_prep --config $(CONFIG) $(ARGS)
 
 # train and eval depend on the prepared data as Make targets do on their inputs: a missing data.dir is
-# prepared from data.source first; an existing one prepared from other inputs or data settings is refused, as by
-# `make prep`.
+# prepared from data.source first. An existing one is used as it is (a note says where its data settings differ),
+# unless ARGS give a data.* key another value than it was prepared with: refused, as `make prep` refuses it.
 train: install
 	$(PY) -m data_prep --if-missing --config $(CONFIG) $(ARGS)
 	$(PY) -m summarizer train --config $(CONFIG) $(ARGS)

@@ -17,8 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.source=DIR data.dir=data/gw")
     parser.add_argument("--if-missing", action="store_true",
                         help="prepare only when data.dir holds no prepared data (what `make train` and `make eval` "
-                             "run first); one prepared from these inputs and data settings is used as it is, one "
-                             "prepared from others is refused naming what differs (data.rebuild=true rebuilds it)")
+                             "run first). A prepared one is used as it is, with a note where its data settings or "
+                             "inputs differ; a data.* key given here with another value than it holds is refused "
+                             "(data.rebuild=true rebuilds it)")
     args = parser.parse_args(argv)
     try:
         from data_prep import prepare  # torch and datasets load here, inside the Ctrl-C handling
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides).data
         if args.if_missing:
             changed = prepared_changes(Path(cfg.dir), cfg)
-            if changed == []:
+            if changed == [] or changed and not cfg.rebuild and not in_use(cfg, changed, args.overrides):
                 return 0
             if changed is None:
                 source = (f"data.source={cfg.source!r}" if not isinstance(cfg.source, dict) else "the files "
@@ -41,6 +42,29 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 130
     return 0
+
+
+def in_use(cfg, changed: list[str], overrides: list[str]) -> bool:
+    """Whether `make train`/`make eval` go on to prepare a data.dir prepared from other inputs or settings
+    (`changed`): a data key this command gives with another value than the dir holds is refused (DataError), as
+    `make prep` refuses it; otherwise the dir is used as it is (False), said where the pieces or their cleaning
+    differ. What the dir was prepared from (data.source and its fields) is its own record there: `make eval
+    ARGS="data.dir=data/gw"` evaluates on the dir prepared before, whatever the config's data.source says."""
+    from data_prep.pipeline import refuse_silent_rebuild
+    from summarizer.data.prepared import SHAPING_KEYS
+    given = {o.split("=", 1)[0] for o in overrides}
+    asked = [c for c in changed if c.split(" ", 1)[0] in given]
+    if asked:
+        refuse_silent_rebuild(Path(cfg.dir), asked)
+    shaping = {f"data.{key}" for key in SHAPING_KEYS}
+    other_source = any(c.startswith("data.source ") for c in changed)  # then its files differ too: not news
+    noted = [c for c in changed if c.split(" ", 1)[0] in shaping or not (
+        c.startswith(("data.", "its meta.json")) or other_source and c.endswith(" an input"))]
+    if noted:
+        print(f"note: {cfg.dir} was prepared with other data settings or inputs ({'; '.join(noted)}); it is used "
+              f"as it is. To apply them, prepare into a new data.dir (or pass data.rebuild=true to replace this one: "
+              f"runs trained on it could no longer resume)", file=sys.stderr)
+    return False
 
 
 if __name__ == "__main__":

@@ -584,27 +584,38 @@ def test_without_a_network_the_hub_source_fails_in_seconds_saying_what_to_do(tmp
     reach_hub("Harvard/gigaword")
 
 
-def test_if_missing_prepares_an_unprepared_dir_and_refuses_one_prepared_from_other_inputs(tmp_path, capsys,
-                                                                                           monkeypatch):
+def test_if_missing_prepares_an_unprepared_dir_and_refuses_a_data_key_given_with_another_value(
+        tmp_path, capsys, monkeypatch):
     """What `make train` and `make eval` run first: a missing data.dir is prepared, one prepared from these inputs
-    and settings used as it is; one prepared from another data.source, with other settings or by another prep
-    version was used silently: refused as `make prep` refuses it, naming what differs, or rebuilt when asked."""
-    args = ["--if-missing", f"data.dir={tmp_path}", f"data.source={ASSETS / 'rush'}", "data.vocab_size=64",
+    and settings used as it is. A data key given on the command line with another value than the dir holds (another
+    data.source, other cleaning) is refused as `make prep` refuses it, naming what differs, or rebuilt when asked.
+    The config's own values are not asked for here: the dir is used as it is, with a note where its pieces or their
+    cleaning differ (another config's data.source is the dir's own record: `make eval ARGS="data.dir=..."`)."""
+    data = tmp_path / "data"
+    args = ["--if-missing", f"data.dir={data}", f"data.source={ASSETS / 'rush'}", "data.vocab_size=64",
             "data.num_proc=1", "data.valid_holdout=0"]
     assert main(args) == 0
-    assert "not prepared yet" in capsys.readouterr().out and (tmp_path / "meta.json").is_file()
-    before = (tmp_path / "meta.json").read_text()
-    assert main(args) == 0 and capsys.readouterr().out == "" and (tmp_path / "meta.json").read_text() == before
+    assert "not prepared yet" in capsys.readouterr().out and (data / "meta.json").is_file()
+    before = (data / "meta.json").read_text()
+    assert main(args) == 0 and capsys.readouterr().out == "" and (data / "meta.json").read_text() == before
     for change, named in ((f"data.source={ASSETS / 'jsonl'}", f"data.source '{ASSETS / 'rush'}' -> "
                                                              f"'{ASSETS / 'jsonl'}'"),
                           ("data.max_source_words=3", "data.max_source_words 120 -> 3")):
         assert main([*args, change]) == 2
         err = capsys.readouterr().err
         assert named in err and "pass data.rebuild=true to replace it" in err
-        assert (tmp_path / "meta.json").read_text() == before
+        assert (data / "meta.json").read_text() == before
+    config = tmp_path / "other.yaml"
+    config.write_text(f"data:\n  source: {ASSETS / 'jsonl'}\n  max_source_words: 3\n")
+    assert main(["--config", str(config), "--if-missing", f"data.dir={data}", "data.vocab_size=64"]) == 0
+    err = capsys.readouterr().err
+    assert "data.max_source_words 120 -> 3" in err and "it is used as it is" in err
+    assert "data.source" not in err and "an input" not in err  # its files are another source's
+    assert (data / "meta.json").read_text() == before
     monkeypatch.setattr("data_prep.pipeline.PREP_VERSION", 2)
-    assert main(args) == 2 and "(prep version 1 -> 2)" in capsys.readouterr().err
-    assert main([*args, "data.rebuild=true"]) == 0 and read_meta(tmp_path)["prep_version"] == 2
+    assert main(args) == 0 and "(prep version 1 -> 2)" in capsys.readouterr().err
+    assert (data / "meta.json").read_text() == before
+    assert main([*args, "data.rebuild=true"]) == 0 and read_meta(data)["prep_version"] == 2
 
 
 def test_a_meta_json_without_a_prep_version_or_input_record_is_still_read(tmp_path, capsys):
