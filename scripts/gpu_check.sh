@@ -11,6 +11,7 @@
 # (part 5: about 2.5 minutes eager, and each compiled run its compilation besides; part 2 gets what is left):
 #   GPU_CHECK_PARTS="5 2" GPU_CHECK_SECONDS=480 GPU_CHECK_OUT=gpu_check_out2 bash scripts/gpu_check.sh DATA_DIR
 # Environment: PYTHON, GPU_CHECK_OUT (default gpu_check_out, must not hold an earlier check), GPU_CHECK_STEPS (300),
+# GPU_CHECK_LOG_EVERY (part 1's log interval: a sixth of the steps, at most 50),
 # GPU_CHECK_CONFIG (configs/base.yaml; configs/tiny.yaml on a CPU), GPU_CHECK_SECONDS (450: parts are
 # skipped once it is spent), GPU_CHECK_PARTS ("1 2 3 4 5 6": the parts to run; 3 and 6 decode part 1's fp32 run),
 # GPU_CHECK_PRECISIONS ("fp32 bf16 fp16 auto auto_captured": part 1's runs; <precision>_captured: with
@@ -47,7 +48,7 @@ else
 fi
 if [ -e "$OUT/notes.txt" ]; then echo "gpu_check: $OUT holds an earlier check: remove it or set GPU_CHECK_OUT" >&2; exit 2; fi
 mkdir -p "$OUT/logs" && : > "$OUT/notes.txt" || exit 2
-LOG=$((STEPS / 6 > 50 ? 50 : STEPS / 6)); LOG=$((LOG > 0 ? LOG : 1))
+LOG=$((STEPS / 6 > 50 ? 50 : STEPS / 6)); LOG=${GPU_CHECK_LOG_EVERY:-$((LOG > 0 ? LOG : 1))}
 FEW=$((STEPS / 10 > 30 ? 30 : STEPS / 10)); FEW=$((FEW > 2 ? FEW : 2))
 DEADLINE=$((SECONDS + BUDGET))
 PARTS=${GPU_CHECK_PARTS:-1 2 3 4 5 6}

@@ -363,7 +363,7 @@ def test_the_check_between_batches_runs_once_per_batch_and_its_stop_ends_the_dec
     sources = [torch.randint(4, 40, (int(n),)).tolist() for n in torch.randint(2, 12, (19,))]
     rt = runtime.setup(SystemConfig(device="cpu"), PlacementConfig(), "fp32")
     batches = len(search.length_batches([len(s) for s in sources], 24 // 2))
-    assert batches > 3
+    assert batches > 5
     checks = []
     for threads in (1, 2):
         checks.clear()
@@ -402,7 +402,8 @@ def test_the_check_between_batches_runs_once_per_batch_and_its_stop_ends_the_dec
         with pytest.raises(KeyboardInterrupt):
             search.decode_all(model, sources, settings(beam_size=2, batch_tokens=24, threads=n), rt, check=stop)
         assert torch.get_num_threads() == threads
-        assert len(decoded) <= 2 * n - 1 < batches  # the first, and one under way in each other worker
+        # the first; one held in each worker; and the next each takes before the pool's shutdown cancels the rest
+        assert len(decoded) <= 2 * n + 1 < batches
 
 
 def test_minimum_length_never_exceeds_the_source():

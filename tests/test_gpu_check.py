@@ -164,9 +164,9 @@ def test_cpu_mode_runs_every_part_and_prints_a_number_per_row(tmp_path):
     assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tmp_path / 'data'}"]) == 0
     (inherited := tmp_path / "inherited").mkdir()  # an OUT of the caller's own (a job's output dir) is not ours
     env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "12", "GPU_CHECK_OUT": str(tmp_path / "out"),
-           "OUT": str(inherited), "PYTHON": sys.executable}
+           "OUT": str(inherited), "PYTHON": sys.executable, "GPU_CHECK_SECONDS": "1500"}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "data")], env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1700)  # past the budget: the script reports a cut
     assert done.returncode == 0, done.stdout + done.stderr
     assert not any(inherited.iterdir())
     table = (tmp_path / "out" / "gpu_check.md").read_text()
@@ -253,7 +253,8 @@ def test_a_step_the_budget_cuts_short_is_reported_not_failed(tmp_path):
     from data_prep.__main__ import main as prep
     assert prep(["--config", str(ROOT / "configs/tiny.yaml"), f"data.dir={tmp_path / 'data'}"]) == 0
     env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_STEPS": "100000", "GPU_CHECK_OUT": str(tmp_path / "out"),
-           "PYTHON": sys.executable, "GPU_CHECK_PARTS": "1", "GPU_CHECK_SECONDS": "45"}
+           "PYTHON": sys.executable, "GPU_CHECK_PARTS": "1", "GPU_CHECK_SECONDS": "45",
+           "GPU_CHECK_LOG_EVERY": "1"}  # a row from the first step on, however slowly a loaded machine starts it
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "data")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
