@@ -629,6 +629,19 @@ def test_resume_trims_a_torn_last_line_of_metrics(tiny_data, tmp_path, capsys):
     assert "1 torn line(s)" in capsys.readouterr().err
 
 
+def test_a_checkpoint_half_written_when_the_run_was_killed_is_removed_when_it_resumes(tiny_data, tmp_path):
+    """SIGKILL during a checkpoint's write skips the temp file's removal: the run's next start removes it (a model
+    and its optimizer moments each time), and nothing of another name."""
+    run = tmp_path / "run"
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=5", "train.ckpt_every=5"))
+    left = [run / "ckpt_00000010.pt.4242.tmp", run / "best.pt.4242.tmp"]
+    kept = [run / "notes.tmp", run / "predictions.txt.4242.tmp"]  # not a checkpoint: another program's, or eval's
+    for path in left + kept:
+        path.write_bytes(b"half")
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=10", "train.ckpt_every=5"))
+    assert not any(path.exists() for path in left) and all(path.exists() for path in kept)
+
+
 def test_data_without_a_valid_split_is_refused_not_validated_on_train(tmp_path):
     """Otherwise validation, and the choice of best.pt, would measure the training pairs labelled valid."""
     from data_prep.__main__ import main as prep

@@ -265,6 +265,10 @@ def open_session(cfg: Config) -> Session:
     if rt.is_main:
         claim_dir(cfg.run_dir, "run", "run.dir", also=("overfit",))
         lock = hold_lock(cfg.run_dir, "run.dir")  # held until the run's process ends: one run per run dir
+        # a checkpoint's temp file left by a kill mid-write (a model and its optimizer moments: a long preemptible
+        # run would fill the disk with them); with the lock held, no other run writes one here
+        for left in [*cfg.run_dir.glob("ckpt_*.pt.*.tmp"), *cfg.run_dir.glob(f"{checkpoint.BEST}.*.tmp")]:
+            left.unlink(missing_ok=True)
     try:
         if rt.is_main:
             claim_events_dir(cfg.tensorboard_dir, cfg.run_dir)
