@@ -65,9 +65,13 @@ def run(args: argparse.Namespace) -> int:
         if summary["signal"] is None:
             return 0
         name = signal.Signals(summary["signal"]).name
-        if summary["finished"]:  # the signal came after the last validation: nothing is left to do
+        if summary["finished"]:  # the signal came after the run's last validation
             print(f"finished at step {summary['steps']} ({name} came after its last validation)", file=sys.stderr)
-            return 0
+            if not summary["stages_left"]:
+                return 0
+            print(f"{name} came before the recipe's next stage: run the same command again to train the "
+                  f"{summary['stages_left']} stage(s) left", file=sys.stderr)
+            return 128 + summary["signal"]  # not done: a scheduler that requeues on a stop must requeue
         owed = " before its validation" if summary["owes_validation"] else ""
         print(f"stopped by {name} at step {summary['steps']}{owed}, after writing its checkpoint; run the same "
               f"command again to resume{' (the validation first)' if owed else ''}", file=sys.stderr)

@@ -119,6 +119,27 @@ def test_a_stage_after_one_that_ended_early_starts_from_its_last_checkpoint(tmp_
     assert second.train.init_from == "elsewhere/best.pt"
 
 
+def test_a_signal_after_a_stages_last_validation_leaves_the_recipe_stopped_not_finished(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """A stop signal that comes once a stage has done all its steps ends that stage's run for good, but the
+    stages after it were never trained: the exit status is a stop's (128 + the signal), so a scheduler that
+    requeues stopped jobs runs the rest; the last stage's run ended so exits 0."""
+    from summarizer.__main__ import main
+    from summarizer.train import stages as stages_mod
+    trained = []
+
+    def signalled(cfg):
+        trained.append(cfg.run_dir.name)
+        return {"signal": signal.SIGTERM, "finished": True, "steps": cfg.train.max_steps, "minutes": 0.1,
+                "best": None, "run_dir": cfg.run_dir, "owes_validation": False}
+    monkeypatch.setattr(stages_mod, "train", signalled)
+    args = ["train", "--config", str(recipe(tmp_path)), f"run.dir={tmp_path / 'run'}"]
+    assert main(args) == 128 + signal.SIGTERM and trained == ["first"]
+    assert "run the same command again to train the 1 stage(s) left" in capsys.readouterr().err
+    monkeypatch.setattr(stages_mod, "training_finished", lambda cfg: 6 if cfg.run_dir.name == "first" else None)
+    assert main(args) == 0 and trained == ["first", "second"]
+
+
 def latest_step(run_dir) -> int:
     return json.loads((Path(run_dir) / checkpoint.LATEST).read_text())["step"]
 

@@ -45,7 +45,8 @@ def resolve_start(before: Config | None, cfg: Config) -> None:
 
 def train_stages(stages: list[tuple[str, Config]]) -> dict | None:
     """Train each run that is not finished yet; the summary of the last one trained (None when every one was
-    finished before). Stops after a run that a stop signal cut short: the same command resumes it."""
+    finished before), with `stages_left`, the stages after it. Stops after a run that a stop signal ended (cut
+    short, or after its last validation): the same command resumes there."""
     summary = None
     for number, (name, cfg) in enumerate(stages, start=1):
         where = f"stage {number}/{len(stages)} ({name}, {cfg.run_dir})" if name else str(cfg.run_dir)
@@ -58,7 +59,7 @@ def train_stages(stages: list[tuple[str, Config]]) -> dict | None:
             start = ("resuming" if checkpoint.latest_path(cfg.run_dir) is not None
                      else f"training from {cfg.train.init_from}" if cfg.train.init_from else "training")
             print(f"{where}: {start}", file=sys.stderr, flush=True)
-        summary = train(cfg)
+        summary = {**train(cfg), "stages_left": len(stages) - number}
         if summary["signal"] is not None:  # any other end is for good (max_steps, time limit, early stopping)
             break
     return summary
