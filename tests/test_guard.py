@@ -78,6 +78,34 @@ def test_a_stop_signal_during_validation_abandons_it_for_the_checkpoint(tiny_dat
     assert summary["signal"] == signal.SIGTERM
 
 
+def test_a_signal_on_the_step_the_time_limit_ends_leaves_that_steps_row_and_validation_owed(tiny_data, tmp_path,
+                                                                                               monkeypatch, capsys):
+    """The step that uses up train.max_minutes is the run's last: a signal during it checkpoints it owing its final
+    log row and validation, as a run never stopped logs and validates it; the same command pays them without a
+    step more, and the run is then finished."""
+    real_step, steps = train_mod.train_step, []
+
+    def slow_third_step(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        steps.append(1)
+        if len(steps) == 3:
+            time.sleep(3.5)  # past the 3 s limit
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(train_mod, "train_step", slow_third_step)
+    args = ["train", "--config", str(ROOT / "configs/tiny.yaml"),
+            *overrides(tiny_data, tmp_path / "run", "train.max_steps=100", "train.max_minutes=0.05",
+                       "train.eval_every=100", "train.ckpt_every=100")]
+    assert main(args) == 128 + signal.SIGTERM and latest_step(tmp_path / "run") == 3
+    assert "run the same command again to resume" in capsys.readouterr().err
+    assert main(args) == 0 and len(steps) == 3  # no step after the limit's
+    assert [r["step"] for r in records(tmp_path / "run", "train")] == [3]
+    assert [r["step"] for r in records(tmp_path / "run", "valid")] == [3]
+    assert (tmp_path / "run" / "best.pt").is_file()
+    assert main(args) == 0 and "finished" in capsys.readouterr().out
+
+
 def test_a_final_validation_a_signal_cut_short_is_done_by_the_next_run(tiny_data, tmp_path, monkeypatch, capsys):
     """The training is complete, its final validation (best.pt, the last valid row) is not: the checkpoint owes it,
     the run says so and exits as stopped, and the same command then validates and finishes."""

@@ -137,6 +137,8 @@ def train(cfg: Config) -> dict:
     loop = start_loop(session)
     try:
         ended = pay(session, loop)  # what a stop left owed: this run's first log row and validation
+        minutes = cfg.train.max_minutes  # a run stopped on the step its time ran out has no step more to train
+        ended = ended or bool(minutes) and progress["elapsed_s"] >= 60 * minutes
         while not ended and progress["step"] < cfg.train.max_steps:
             fetch_started = time.perf_counter()
             try:
@@ -157,8 +159,8 @@ def train(cfg: Config) -> dict:
                 *signals, time_up = loop.consensus(*loop.stop.flags(),
                                                    bool(minutes) and progress["elapsed_s"] >= 60 * minutes)
                 # a signal to any rank: the finished step's checkpoint first, and nothing else (what it owes waits: owe)
-                if loop.stop.agree(signals):
-                    owe(session, loop, out, log=True)
+                if loop.stop.agree(signals):  # on the step the time limit ends: the run's last row and validation
+                    owe(session, loop, out, log=True, final=time_up)
                     save_settled(session, loop)
                     session.monitor.write(f"stopping at step {progress['step']}: {loop.stop.name}; checkpoint "
                                           f"written")
