@@ -106,6 +106,30 @@ def test_a_signal_on_the_step_the_time_limit_ends_leaves_that_steps_row_and_vali
     assert main(args) == 0 and "finished" in capsys.readouterr().out
 
 
+def test_a_run_stopped_on_a_checkpoint_step_between_log_rows_logs_what_a_run_never_stopped_logs(
+        tiny_data, tmp_path, monkeypatch):
+    """A run never stopped starts its log interval anew after each checkpoint: one stopped on a checkpoint step
+    that logs nothing resumes with that interval empty too, so its next row averages the same steps."""
+    real_step, steps = train_mod.train_step, []
+
+    def signalled_at_6(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        steps.append(1)
+        if len(steps) == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    extra = ["train.max_steps=12", "train.log_every=4", "train.eval_every=100", "train.ckpt_every=3"]
+    train_mod.train(load_config(ROOT / "configs/tiny.yaml", overrides(tiny_data, tmp_path / "ref", *extra)))
+    monkeypatch.setattr(train_mod, "train_step", signalled_at_6)
+    cut = load_config(ROOT / "configs/tiny.yaml", overrides(tiny_data, tmp_path / "cut", *extra))
+    assert train_mod.train(cut)["steps"] == 6
+    monkeypatch.setattr(train_mod, "train_step", real_step)
+    train_mod.train(cut)
+    rows = [[(r["step"], r["loss"]) for r in records(tmp_path / run, "train")] for run in ("ref", "cut")]
+    assert rows[0] == rows[1] and [s for s, _ in rows[0]] == [4, 8, 12]
+
+
 def test_a_final_validation_a_signal_cut_short_is_done_by_the_next_run(tiny_data, tmp_path, monkeypatch, capsys):
     """The training is complete, its final validation (best.pt, the last valid row) is not: the checkpoint owes it,
     the run says so and exits as stopped, and the same command then validates and finishes."""

@@ -240,7 +240,9 @@ def owe(session: Session, loop: Loop, out: dict, log: bool, final: bool = False)
     logged, validated, rouge = due(session.cfg.train, progress["step"], final)
     owed = {"log": log and logged, "validate": validated, "rouge": rouge,
             "lr": session.scheduler.get_last_lr()[0], "grad_norm": float(out["grad_norm"]), "modules": out["modules"]}
-    if log:  # the stop branch, where every rank is (a collective); after a log row the window is empty anyway
+    # the stop branch, where every rank is (a collective, on a condition every rank shares); after a log row the
+    # window is empty anyway, and a run never stopped empties it after a checkpoint too (after_step)
+    if log and (owed["log"] or progress["step"] % session.cfg.train.ckpt_every):
         progress["window"] = loop.window.state()
     if owed["log"] or owed["validate"]:
         progress["owed"] = owed
