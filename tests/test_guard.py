@@ -130,6 +130,37 @@ def test_a_run_stopped_on_a_checkpoint_step_between_log_rows_logs_what_a_run_nev
     assert rows[0] == rows[1] and [s for s, _ in rows[0]] == [4, 8, 12]
 
 
+def test_a_resume_that_crashes_while_paying_what_a_stop_owed_does_not_log_its_rows_twice(tiny_data, tmp_path,
+                                                                                            monkeypatch):
+    """A stop at a step that logs and validates owes both; the resume writes the row, then crashes in the
+    validation (a kill, out of memory): the next resume writes that step's rows once, as a run never stopped."""
+    real_step, real_validate, steps = train_mod.train_step, train_mod.validate, []
+
+    def signalled_at_5(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        steps.append(1)
+        if len(steps) == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    def crashing(*args):
+        raise RuntimeError("the process was killed here")
+
+    cfg = load_config(ROOT / "configs/tiny.yaml", overrides(tiny_data, tmp_path / "run", "train.max_steps=10",
+                                                            "train.eval_every=5", "train.ckpt_every=100"))
+    monkeypatch.setattr(train_mod, "train_step", signalled_at_5)
+    assert train_mod.train(cfg)["steps"] == 5
+    monkeypatch.setattr(train_mod, "train_step", real_step)
+    monkeypatch.setattr(train_mod, "validate", crashing)
+    with pytest.raises(RuntimeError, match="killed here"):
+        train_mod.train(cfg)
+    assert [r["step"] for r in records(tmp_path / "run", "train")] == [5]  # written before the crash
+    monkeypatch.setattr(train_mod, "validate", real_validate)
+    assert train_mod.train(cfg)["steps"] == 10
+    assert [r["step"] for r in records(tmp_path / "run", "train")] == [5, 10]
+    assert [r["step"] for r in records(tmp_path / "run", "valid")] == [5, 10]
+
+
 def test_a_final_validation_a_signal_cut_short_is_done_by_the_next_run(tiny_data, tmp_path, monkeypatch, capsys):
     """The training is complete, its final validation (best.pt, the last valid row) is not: the checkpoint owes it,
     the run says so and exits as stopped, and the same command then validates and finishes."""

@@ -434,6 +434,21 @@ def test_runs_sharing_a_name_do_not_share_tensorboard_curves(tiny_data, tmp_path
                                     f"run.tensorboard_dir={tmp_path}/tb_b"))["steps"] == 2
 
 
+def test_a_run_killed_before_its_first_checkpoint_leaves_no_curve_past_what_its_restart_logs(tiny_data, tmp_path):
+    """Its restart starts at step 0: TensorBoard purges every step the killed run logged, as metrics.jsonl is
+    emptied, so the curves show the restart's steps alone."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run = tmp_path / "run"
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=20", "train.log_every=5", "train.ckpt_every=100"))
+    for written in [*run.glob("ckpt_*.pt"), run / checkpoint.LATEST, run / checkpoint.BEST]:
+        written.unlink()  # as if killed at step 20, before any checkpoint
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=10", "train.log_every=5", "train.ckpt_every=100"))
+    events = EventAccumulator(str(run / "tb" / "tiny")).Reload()  # every events file of the run's dir, in order
+    assert [e.step for e in events.Scalars("train/loss")] == [5, 10]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["split"] == "train"] == [5, 10]
+
+
 def test_resuming_on_data_with_another_tokenizer_is_refused(tiny_data, tmp_path):
     from data_prep.__main__ import main as prep
     run = tmp_path / "run"

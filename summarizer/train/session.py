@@ -328,7 +328,9 @@ def _session(cfg: Config, rt: Runtime, meta: dict, tokenizer: Tokenizer, init: d
         save_config(cfg, cfg.run_dir / "config.yaml")
         write_manifest(cfg, cfg.run_dir, rt.devices, rt.precision, meta, rt.world_size, changes,
                        probed or (progress.get("precision_probe") if kept else None))
-    monitor = Monitor(cfg, rt.is_main, progress["step"], cfg.train.max_steps)
+    owed = progress.get("owed") or {}  # rows the resume logs again at its first step (loop.pay)
+    monitor = Monitor(cfg, rt.is_main, progress["step"], cfg.train.max_steps,
+                      owed_splits={split for split, key in (("train", "log"), ("valid", "validate")) if owed.get(key)})
     monitor.write(f"model {count_parameters(model) / 1e6:.1f}M parameters, precision {rt.precision}, "
                   f"{len(train_ds)} train pairs, {len(valid_ds)} {valid_name} pairs, "
                   f"{'resuming at step ' + str(progress['step']) if progress['step'] else 'starting'}")

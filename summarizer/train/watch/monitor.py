@@ -116,17 +116,19 @@ class Monitor:
     CI), a bar would write a carriage-return line per update, so each log interval prints one line.
     """
 
-    def __init__(self, cfg: Config, active: bool, start_step: int, total_steps: int):
+    def __init__(self, cfg: Config, active: bool, start_step: int, total_steps: int,
+                 owed_splits: set[str] | frozenset[str] = frozenset()):
         self.active, self.total_steps = active, total_steps
         self.metrics_path, self.events_dir = cfg.run_dir / "metrics.jsonl", cfg.tensorboard_dir
         self.writer = None
         self.bar = None
         if not active:
             return
-        _truncate_metrics(self.metrics_path, start_step)
+        _truncate_metrics(self.metrics_path, start_step, owed_splits)
         from torch.utils.tensorboard import SummaryWriter
-        # purge_step drops events a killed run wrote after its last checkpoint, so curves do not fold back.
-        self.writer = SummaryWriter(str(cfg.tensorboard_dir), purge_step=start_step + 1 if start_step else None)
+        # purge_step drops events a killed run wrote after its last checkpoint (or, killed before its first, all of
+        # them), so curves do not fold back.
+        self.writer = SummaryWriter(str(cfg.tensorboard_dir), purge_step=start_step + 1)
         if sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, desc=f"train {cfg.run.name}", unit="step",
                             dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
@@ -194,9 +196,10 @@ def _plain(value):
     return round(value, 6) if isinstance(value, float) else value
 
 
-def _truncate_metrics(path: Path, start_step: int) -> None:
-    """On resume, drop records past the checkpoint (the resumed run logs those steps again), and any line a
-    crash or a full disk left torn (an append cut short), saying so."""
+def _truncate_metrics(path: Path, start_step: int, owed_splits: set[str] | frozenset[str] = frozenset()) -> None:
+    """On resume, drop records past the checkpoint (the resumed run logs those steps again), those of its step in
+    `owed_splits` (rows a stop left owed, which a resume killed after writing them had written: logged again),
+    and any line a crash or a full disk left torn (an append cut short), saying so."""
     if not path.exists():
         return
     keep, torn = [], 0
@@ -206,7 +209,8 @@ def _truncate_metrics(path: Path, start_step: int) -> None:
         except ValueError:
             torn += 1
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= start_step:
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and (
+                record["step"] < start_step or record["step"] == start_step and record.get("split") not in owed_splits):
             keep.append(line)
     if torn:
         print(f"note: {path} held {torn} torn line(s) (a write cut short by a crash or a full disk); dropped",
