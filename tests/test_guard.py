@@ -1,6 +1,7 @@
 """Tests for summarizer/train/guard.py and the stop path of the loop: a stop signal checkpoints the step in progress
 first (no extra step, no validation), a second one exits at once, a run finished before its final validation was cut
 short says finished, workers start deaf to the group's signals, and nothing waits forever on the way out."""
+import dataclasses
 import json
 import os
 import signal
@@ -260,6 +261,17 @@ def test_a_worker_that_died_of_the_stop_signal_is_a_stop_not_an_out_of_memory(ti
                 guard.dead_worker(session, stop, died)  # no stop signal: a real crash
             with pytest.raises(guard.TrainingAborted, match="died while handing over a batch.*ConnectionResetError"):
                 guard.dead_worker(session, stop, ConnectionResetError(104, "Connection reset by peer"))
+            local = session.rt
+            session.rt = dataclasses.replace(local, rank=1, world_size=2)  # under DDP: that rank's worker alone
+            saved = []
+            monkeypatch.setattr(guard, "save_now", lambda *a, **k: saved.append(a))
+            with pytest.raises(guard.TrainingAborted, match=r"This rank's alone \(rank 1\): the other ranks end at "
+                                                            r"their next collective, and the run resumes from its "
+                                                            r"latest checkpoint \(.*ckpt_00000000.pt\)"):
+                guard.dead_worker(session, stop, died)
+            assert saved == []  # rank 0 is in the next step's all-reduce: no checkpoint without every rank's streams
+            session.rt = local
+            monkeypatch.undo()
             os.kill(os.getpid(), signal.SIGTERM)
             guard.dead_worker(session, stop, died)  # the group's SIGTERM reached the worker too: a stop
         finally:

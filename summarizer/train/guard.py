@@ -171,9 +171,12 @@ def worker_died(exc: BaseException, workers: int) -> bool:
 def dead_worker(session: Session, stop: StopFlag, exc: Exception) -> None:
     """A DataLoader worker died, noticed between steps: checkpoint, then stop as a stop signal does when one came
     (a signal sent to the process group can reach a worker before it ignores signals), or abort clearly (the
-    out-of-memory killer's SIGKILL is the usual cause)."""
-    save_now(session, every_rank=False)
+    out-of-memory killer's SIGKILL is the usual cause). Under DDP the worker is one rank's, and the others are
+    already in the next step's collectives: no checkpoint is written (one rank cannot gather every rank's random
+    streams, so a resume from it would not be exact), and the run resumes exactly from its latest one."""
     cfg = session.cfg
+    if not session.rt.distributed:
+        save_now(session, every_rank=False)
     if stop.requested:
         session.monitor.write(f"stopping at step {session.progress['step']}: {stop.name} (a DataLoader worker "
                               f"ended with it); checkpoint written")
@@ -183,8 +186,11 @@ def dead_worker(session: Session, stop: StopFlag, exc: Exception) -> None:
     raise TrainingAborted(
         f"{what} (step {session.progress['step']}). When a worker is killed by SIGKILL it is usually the system's "
         f"out-of-memory killer: lower data.num_workers (now {cfg.data.num_workers}) or data.prefetch_factor "
-        f"(now {cfg.data.prefetch_factor}), or free memory. The last completed step was checkpointed; run the "
-        f"same command again to resume exactly.") from None
+        f"(now {cfg.data.prefetch_factor}), or free memory. "
+        + (f"This rank's alone (rank {session.rt.rank}): the other ranks end at their next collective, and the run "
+           f"resumes from its latest checkpoint ({checkpoint.latest_path(cfg.run_dir) or 'none yet: from the start'})"
+           if session.rt.distributed else "The last completed step was checkpointed")
+        + "; run the same command again to resume exactly.") from None
 
 
 def out_of_memory(exc: BaseException, micro_batches: list[dict], cfg: Config, rt: Runtime, step: int):
