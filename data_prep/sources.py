@@ -8,6 +8,7 @@ import re
 import socket
 import threading
 import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import datasets
@@ -327,6 +328,11 @@ def reach_hub(name: str) -> None:
         return
     url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    proxy = urllib.request.getproxies().get(url.scheme or "https")  # HTTPS_PROXY and the like, as datasets uses them
+    via = ""
+    if proxy and not urllib.request.proxy_bypass(host):  # then the proxy is what must answer
+        proxied = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        via, host, port = f", through the proxy {proxy}", proxied.hostname, proxied.port or 80
     outcome: list = []
 
     def probe() -> None:  # in a thread: name resolution has no timeout of its own
@@ -341,7 +347,7 @@ def reach_hub(name: str) -> None:
     worker.join(PROBE_SECONDS + 1)
     problem = outcome[0] if outcome else TimeoutError(f"no answer in {PROBE_SECONDS} s")
     if problem is not None:
-        raise DataError(f"cannot reach the Hugging Face hub ({host}:{port}: {problem}) to download {name}. "
+        raise DataError(f"cannot reach the Hugging Face hub ({host}:{port}{via}: {problem}) to download {name}. "
                         f"Without a network, point data.source at a local copy (a directory of "
                         f"{{train,valid,test}}.jsonl[.gz] with source/target fields, or Rush-style "
                         f"{{split}}.article.txt + .title.txt), e.g. ARGS=\"data.source=DIR\"; or try `make smoke` "

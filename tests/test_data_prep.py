@@ -575,8 +575,9 @@ def test_the_hub_path_reads_a_local_dataset_directory_without_a_network(tmp_path
 def test_without_a_network_the_hub_source_fails_in_seconds_saying_what_to_do(tmp_path, monkeypatch):
     import time
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a port nothing listens on: refused at once
-    for offline in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # a CI machine's own setting: no probe is made then
-        monkeypatch.delenv(offline, raising=False)
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",  # a CI machine's own settings: no probe is made, or
+                "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):  # one is made to the proxy
+        monkeypatch.delenv(var, raising=False)
     started = time.monotonic()
     with pytest.raises(DataError, match=r"cannot reach the Hugging Face hub \(127.0.0.1:9.*data.source=DIR.*smoke"):
         prepare(data_config(tmp_path / "prep", "data.source=hf:Harvard/gigaword"))
@@ -584,6 +585,24 @@ def test_without_a_network_the_hub_source_fails_in_seconds_saying_what_to_do(tmp
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline on purpose: no probe, datasets' cache decides
     from data_prep.sources import reach_hub
     reach_hub("Harvard/gigaword")
+
+
+def test_behind_a_proxy_the_hub_probe_asks_the_proxy(monkeypatch):
+    """Where only a proxy reaches out (HTTPS_PROXY), a direct connection to the hub fails though datasets would
+    download through the proxy: the probe connects to the proxy instead, and names it when it does not answer."""
+    import socket
+
+    from data_prep.sources import reach_hub
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT", "NO_PROXY", "no_proxy", "https_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    with socket.socket() as proxy:
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen()
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{proxy.getsockname()[1]}")
+        reach_hub("Harvard/gigaword")  # the proxy answers: no error, whatever the hub's own reachability
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    with pytest.raises(DataError, match=r"hub \(127.0.0.1:9, through the proxy http://127.0.0.1:9: "):
+        reach_hub("Harvard/gigaword")
 
 
 def test_if_missing_prepares_an_unprepared_dir_and_refuses_a_data_key_given_with_another_value(
