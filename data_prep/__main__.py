@@ -26,13 +26,20 @@ def main(argv: list[str] | None = None) -> int:
         from data_prep.pipeline import prepared_changes
         cfg = load_config(args.config, args.overrides).data
         if args.if_missing:
-            changed = prepared_changes(Path(cfg.dir), cfg)
-            if changed == [] or changed and not cfg.rebuild and not in_use(cfg, changed, args.overrides):
-                return 0
+            given = {o.split("=", 1)[0] for o in args.overrides}
+            try:
+                changed = prepared_changes(Path(cfg.dir), cfg)
+            except UserError:  # prepared, but its inputs cannot be listed (gone, or the dir copied elsewhere)
+                if given & {"data.source", "data.root"}:
+                    raise
+                return 0  # the dir's own record stands, as it does for a data.source this command does not give
             if changed is None:
                 source = (f"data.source={cfg.source!r}" if not isinstance(cfg.source, dict) else "the files "
                           "data.source lists" + (f" under data.root={cfg.root}" if cfg.root else ""))
                 print(f"{cfg.dir} is not prepared yet: preparing it from {source} first", flush=True)
+            elif not changed or not cfg.rebuild:
+                refuse_or_note(cfg, changed, given)
+                return 0
         prepare(cfg)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -44,27 +51,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def in_use(cfg, changed: list[str], overrides: list[str]) -> bool:
-    """Whether `make train`/`make eval` go on to prepare a data.dir prepared from other inputs or settings
-    (`changed`): a data key this command gives with another value than the dir holds is refused (DataError), as
-    `make prep` refuses it; otherwise the dir is used as it is (False), said where the pieces or their cleaning
-    differ. What the dir was prepared from (data.source and its fields) is its own record there: `make eval
-    ARGS="data.dir=data/gw"` evaluates on the dir prepared before, whatever the config's data.source says."""
+def refuse_or_note(cfg, changed: list[str], given: set[str]) -> None:
+    """What `make train`/`make eval` do with a data.dir prepared from other inputs or settings (`changed`): a
+    data key this command gives (`given`, a dotted edit of one included) with another value than the dir holds is
+    refused (DataError), as `make prep` refuses it, and so is a dir with a file missing; otherwise the dir is used as
+    it is, with a note where its pieces, their cleaning, its inputs' contents or its prep version differ. What the
+    dir was prepared from (data.source and its fields) is its own record there: `make eval ARGS="data.dir=data/gw"`
+    evaluates on the dir prepared before, whatever the config's data.source says."""
     from data_prep.pipeline import refuse_silent_rebuild
     from summarizer.data.prepared import SHAPING_KEYS
-    given = {o.split("=", 1)[0] for o in overrides}
-    asked = [c for c in changed if c.split(" ", 1)[0] in given]
-    if asked:
-        refuse_silent_rebuild(Path(cfg.dir), asked)
+    keyed = [(c, c.split(" ", 1)[0]) for c in changed]
+    asked = [c for c, key in keyed if any(g == key or g.startswith(key + ".") for g in given)]
+    if refused := asked + [c for c in changed if c.endswith(" is missing")]:
+        refuse_silent_rebuild(Path(cfg.dir), refused)
     shaping = {f"data.{key}" for key in SHAPING_KEYS}
-    other_source = any(c.startswith("data.source ") for c in changed)  # then its files differ too: not news
-    noted = [c for c in changed if c.split(" ", 1)[0] in shaping or not (
+    other_source = any(key == "data.source" for _, key in keyed)  # then its files differ too: not news
+    noted = [c for c, key in keyed if key in shaping or not (
         c.startswith(("data.", "its meta.json")) or other_source and c.endswith(" an input"))]
     if noted:
         print(f"note: {cfg.dir} was prepared with other data settings or inputs ({'; '.join(noted)}); it is used "
               f"as it is. To apply them, prepare into a new data.dir (or pass data.rebuild=true to replace this one: "
               f"runs trained on it could no longer resume)", file=sys.stderr)
-    return False
 
 
 if __name__ == "__main__":

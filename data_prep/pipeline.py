@@ -17,8 +17,8 @@ from summarizer.data.tokenizer import BOS, EOS, PAD, UNK
 from summarizer.errors import ConfigError, DataError
 from summarizer.outputs import atomic_write, claim_dir, refuse_overlap
 
-# Bump when cleaning or tokenization changes: a dir prepared by another version is then refused, naming it, until
-# rebuilt. Recorded in meta.json since version 1, so a meta.json without it is version 1's.
+# Bump when cleaning or tokenization changes: `make prep` then refuses a dir of another version (naming it) until
+# rebuilt, and `make train`/`make eval` use it with a note. A meta.json without it is version 1's.
 PREP_VERSION = 1
 CACHE_DIR = ".hf_cache"  # datasets' cache inside data.dir: nothing is written to the home directory
 # Every data key that changes what prep writes; loader-only keys (batching, workers) are left out.

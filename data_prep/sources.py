@@ -328,11 +328,12 @@ def reach_hub(name: str) -> None:
         return
     url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
-    proxy = urllib.request.getproxies().get(url.scheme or "https")  # HTTPS_PROXY and the like, as datasets uses them
-    via = ""
+    proxies = urllib.request.getproxies()  # HTTPS_PROXY, ALL_PROXY and the like, as datasets' requests use them
+    proxy, via = proxies.get(url.scheme or "https") or proxies.get("all"), ""
     if proxy and not urllib.request.proxy_bypass(host):  # then the proxy is what must answer
         proxied = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-        via, host, port = f", through the proxy {proxy}", proxied.hostname, proxied.port or 80
+        via, host = f", through the proxy {proxy}", proxied.hostname
+        port = proxied.port or {"https": 443, "socks5": 1080, "socks5h": 1080, "socks4": 1080}.get(proxied.scheme, 80)
     outcome: list = []
 
     def probe() -> None:  # in a thread: name resolution has no timeout of its own

@@ -40,8 +40,8 @@ def _train(train: Dataset, cfg: DataConfig, hard_vocab_limit: bool, tags: list[s
         sentence_iterator=_sentences(train, cfg.spm_input_sentence_size), model_writer=model,
         model_type=cfg.spm_model_type, vocab_size=cfg.vocab_size, hard_vocab_limit=hard_vocab_limit,
         character_coverage=cfg.spm_character_coverage,
-        # never more sentences than this (_sentences drew them), so SentencePiece samples none: its sampling gives
-        # another vocabulary in every process. Kept as it was, as the model file records it.
+        # never more sentences than this (_sentences drew them), so SentencePiece samples none (its sampling gives
+        # another vocabulary in every process); passed so the model file's trainer spec records the limit
         input_sentence_size=cfg.spm_input_sentence_size, shuffle_input_sentence=True,
         num_threads=SPM_THREADS,
         pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,

@@ -3,6 +3,7 @@ import gzip
 import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import datasets
@@ -593,7 +594,8 @@ def test_behind_a_proxy_the_hub_probe_asks_the_proxy(monkeypatch):
     import socket
 
     from data_prep.sources import reach_hub
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT", "NO_PROXY", "no_proxy", "https_proxy"):
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT", "NO_PROXY", "no_proxy", "https_proxy",
+                "all_proxy"):
         monkeypatch.delenv(var, raising=False)
     with socket.socket() as proxy:
         proxy.bind(("127.0.0.1", 0))
@@ -602,6 +604,10 @@ def test_behind_a_proxy_the_hub_probe_asks_the_proxy(monkeypatch):
         reach_hub("Harvard/gigaword")  # the proxy answers: no error, whatever the hub's own reachability
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
     with pytest.raises(DataError, match=r"hub \(127.0.0.1:9, through the proxy http://127.0.0.1:9: "):
+        reach_hub("Harvard/gigaword")
+    monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setenv("ALL_PROXY", "http://127.0.0.1:9")  # every scheme's proxy, as requests reads it
+    with pytest.raises(DataError, match=r"through the proxy http://127.0.0.1:9: "):
         reach_hub("Harvard/gigaword")
 
 
@@ -637,6 +643,28 @@ def test_if_missing_prepares_an_unprepared_dir_and_refuses_a_data_key_given_with
     assert main(args) == 0 and "(prep version 1 -> 2)" in capsys.readouterr().err
     assert (data / "meta.json").read_text() == before
     assert main([*args, "data.rebuild=true"]) == 0 and read_meta(data)["prep_version"] == 2
+    before = (data / "meta.json").read_text()
+    assert main([*args, "data.splits.train=[train]"]) == 2  # a dotted edit of a key is that key given
+    err = capsys.readouterr().err
+    assert "data.splits {" in err and "pass data.rebuild=true" in err and (data / "meta.json").read_text() == before
+
+
+def test_if_missing_uses_a_dir_whose_inputs_are_gone_and_refuses_one_missing_a_file(tmp_path, capsys):
+    """A prepared dir copied to a machine without its raw inputs trains as it is, unless the command names the
+    inputs (data.source); one missing a file it needs is refused, not used to fail later."""
+    raw, data = tmp_path / "raw", tmp_path / "data"
+    shutil.copytree(ASSETS / "rush", raw)
+    args = ["--if-missing", f"data.dir={data}", "data.vocab_size=64", "data.num_proc=1", "data.valid_holdout=0"]
+    assert main([*args, f"data.source={raw}"]) == 0
+    shutil.rmtree(raw)
+    capsys.readouterr()
+    assert main(args) == 0 and capsys.readouterr().err == ""
+    assert main([*args, f"data.source={raw}"]) == 2 and "does not exist" in capsys.readouterr().err
+    shutil.copytree(ASSETS / "rush", raw)
+    (data / "spm.model").unlink()
+    assert main([*args, f"data.source={raw}"]) == 2
+    err = capsys.readouterr().err
+    assert "spm.model is missing" in err and "data.rebuild=true" in err
 
 
 def test_a_meta_json_without_a_prep_version_or_input_record_is_still_read(tmp_path, capsys):
