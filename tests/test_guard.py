@@ -160,6 +160,10 @@ def test_a_resume_that_crashes_while_paying_what_a_stop_owed_does_not_log_its_ro
     assert train_mod.train(cfg)["steps"] == 10
     assert [r["step"] for r in records(tmp_path / "run", "train")] == [5, 10]
     assert [r["step"] for r in records(tmp_path / "run", "valid")] == [5, 10]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "run" / "tb" / "tiny")).Reload()  # the curves too
+    assert [e.step for e in events.Scalars("train/loss")] == [5, 10]
+    assert [e.step for e in events.Scalars("valid/loss")] == [5, 10]
 
 
 def test_a_final_validation_a_signal_cut_short_is_done_by_the_next_run(tiny_data, tmp_path, monkeypatch, capsys):

@@ -178,8 +178,10 @@ def dead_worker(session: Session, stop: StopFlag, exc: Exception) -> None:
     if not session.rt.distributed:
         save_now(session, every_rank=False)
     if stop.requested:
+        written = f"no checkpoint under DDP: the run resumes from {checkpoint.latest_path(cfg.run_dir)}" \
+            if session.rt.distributed else "checkpoint written"
         session.monitor.write(f"stopping at step {session.progress['step']}: {stop.name} (a DataLoader worker "
-                              f"ended with it); checkpoint written")
+                              f"ended with it); {written}")
         return
     what = exc if isinstance(exc, RuntimeError) else \
         f"a DataLoader worker died while handing over a batch ({type(exc).__name__}: {exc})"

@@ -127,8 +127,10 @@ class Monitor:
         _truncate_metrics(self.metrics_path, start_step, owed_splits)
         from torch.utils.tensorboard import SummaryWriter
         # purge_step drops events a killed run wrote after its last checkpoint (or, killed before its first, all of
-        # them), so curves do not fold back.
-        self.writer = SummaryWriter(str(cfg.tensorboard_dir), purge_step=start_step + 1)
+        # them), so curves do not fold back; and those of its step where the stop owed its train row (no event of
+        # that step predates the stop then: the validation comes after the row)
+        self.writer = SummaryWriter(str(cfg.tensorboard_dir),
+                                    purge_step=start_step + (0 if "train" in owed_splits else 1))
         if sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, desc=f"train {cfg.run.name}", unit="step",
                             dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
