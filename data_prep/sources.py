@@ -403,8 +403,10 @@ def load_splits(cfg: DataConfig, cache_dir: Path) -> tuple[dict[str, Dataset], l
             return datasets.concatenate_datasets(parts)
     mapping = split_mapping(cfg, available)
     if merged := [name for name in mapping.get("train", []) if name in ("valid", "validation")]:
-        print(f"note: source split(s) {', '.join(merged)} are mapped to train (data.splits.train={mapping['train']}); "
-              f"to validate on one instead, map it: data.splits.train=[train] data.splits.valid=[{merged[0]}]",
+        held = f", and validation is on data.valid_holdout={cfg.valid_holdout} pairs held out of train" \
+            if cfg.valid_holdout > 0 and not mapping.get("valid") else ""
+        print(f"note: source split(s) {', '.join(merged)} are mapped to train (data.splits.train={mapping['train']})"
+              f"{held}; to validate on {merged[0]} instead: data.splits.train=[train] data.splits.valid=[{merged[0]}]",
               flush=True)
     used = [name for names in mapping.values() for name in names]
     raw = {name: read(name) for name in dict.fromkeys(used)}  # only mapped splits are read

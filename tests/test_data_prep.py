@@ -121,10 +121,13 @@ def test_a_file_listed_under_two_splits_of_a_mapping_source_is_refused(tmp_path)
 
 
 def test_a_valid_split_mapped_to_train_is_said(tmp_path, capsys):
-    """The recipe's data.splits trains on the source's valid split: said, not silent."""
+    """The recipe's data.splits trains on the source's valid split: said, not silent, with what it validates on."""
     _load(tmp_path, f"data.source={ASSETS / 'jsonl'}", "data.splits={train: [train, valid]}")
-    assert "note: source split(s) valid are mapped to train (data.splits.train=['train', 'valid'])" \
-        in capsys.readouterr().out
+    assert "note: source split(s) valid are mapped to train (data.splits.train=['train', 'valid']); to validate " \
+        "on valid instead" in capsys.readouterr().out
+    _load(tmp_path, f"data.source={ASSETS / 'jsonl'}", "data.splits={train: [train, valid]}", "data.valid_holdout=20")
+    assert "(data.splits.train=['train', 'valid']), and validation is on data.valid_holdout=20 pairs held out of " \
+        "train; to validate on valid instead" in capsys.readouterr().out
     _load(tmp_path, f"data.source={ASSETS / 'jsonl'}")
     assert "mapped to train" not in capsys.readouterr().out
 
