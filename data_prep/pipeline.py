@@ -7,8 +7,9 @@ import time
 from pathlib import Path
 
 from data_prep.clean import clean_split, hold_out
+from data_prep.hub import is_hub
 from data_prep.mix import sha256
-from data_prep.sources import PRODUCT_SPLITS, input_files, is_hub, load_splits
+from data_prep.sources import PRODUCT_SPLITS, input_files, load_splits
 from data_prep.tokenize import encode_split, token_dtype, write_split
 from data_prep.train_spm import train_spm
 from summarizer.config.schema import DataConfig

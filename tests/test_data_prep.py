@@ -87,7 +87,7 @@ def test_hub_source_goes_through_load_dataset(tmp_path, monkeypatch):
                                      for split in ("train", "validation", "test")})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    monkeypatch.setattr("data_prep.sources.reach_hub", lambda name: None)  # as if online
+    monkeypatch.setattr("data_prep.hub.reach_hub", lambda name: None)  # as if online
     cfg = data_config(tmp_path / "prep", "data.source=hf:fake/gigaword:default",
                       "data.source_field=document", "data.target_field=summary")
     meta = prepare(cfg)
@@ -477,7 +477,7 @@ def test_script_only_hub_repo_falls_back_to_the_parquet_conversion(tmp_path, mon
         return datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    monkeypatch.setattr("data_prep.sources.reach_hub", lambda name: None)  # as if online
+    monkeypatch.setattr("data_prep.hub.reach_hub", lambda name: None)  # as if online
     meta = prepare(data_config(tmp_path / "prep", "data.source=hf:Harvard/gigaword",
                                "data.source_field=document", "data.target_field=summary"))
     assert calls == [None, "refs/convert/parquet"] and meta["splits"]["train"]["pairs"] == 1
@@ -587,7 +587,7 @@ def test_without_a_network_the_hub_source_fails_in_seconds_saying_what_to_do(tmp
         prepare(data_config(tmp_path / "prep", "data.source=hf:Harvard/gigaword"))
     assert time.monotonic() - started < 10
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline on purpose: no probe, datasets' cache decides
-    from data_prep.sources import reach_hub
+    from data_prep.hub import reach_hub
     reach_hub("Harvard/gigaword")
 
 
@@ -596,7 +596,7 @@ def test_behind_a_proxy_the_hub_probe_asks_the_proxy(monkeypatch):
     download through the proxy: the probe connects to the proxy instead, and names it when it does not answer."""
     import socket
 
-    from data_prep.sources import reach_hub
+    from data_prep.hub import reach_hub
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT", "NO_PROXY", "no_proxy", "https_proxy",
                 "all_proxy"):
         monkeypatch.delenv(var, raising=False)
