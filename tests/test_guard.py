@@ -39,18 +39,25 @@ def latest_step(run_dir) -> int:
     return json.loads((Path(run_dir) / checkpoint.LATEST).read_text())["step"]
 
 
-def test_a_stop_signal_during_a_step_checkpoints_that_step_without_validating(tiny_data, tmp_path, monkeypatch):
-    real_step, validated = train_mod.train_step, []
+def signal_after_step(monkeypatch, n: int, pause: float = 0.0) -> list:
+    """train_step sends this process SIGTERM as its `n`th call ends (after `pause` s): the calls, counted."""
+    real, steps = train_mod.train_step, []
 
-    def step_signalled_at_7(*args, **kwargs):
-        out = real_step(*args, **kwargs)
-        if len(records_seen) == 6:
-            os.kill(os.getpid(), signal.SIGTERM)  # arrives while step 7 is in progress
-        records_seen.append(1)
+    def signalled(*args, **kwargs):
+        out = real(*args, **kwargs)
+        steps.append(1)
+        if len(steps) == n:
+            time.sleep(pause)
+            os.kill(os.getpid(), signal.SIGTERM)
         return out
 
-    records_seen = []
-    monkeypatch.setattr(train_mod, "train_step", step_signalled_at_7)
+    monkeypatch.setattr(train_mod, "train_step", signalled)
+    return steps
+
+
+def test_a_stop_signal_during_a_step_checkpoints_that_step_without_validating(tiny_data, tmp_path, monkeypatch):
+    validated = []
+    signal_after_step(monkeypatch, 7)  # arrives while step 7 is in progress
     monkeypatch.setattr(train_mod, "validate", lambda *a: validated.append(a[0].progress["step"]) or False)
     cfg = load_config(ROOT / "configs/tiny.yaml", overrides(tiny_data, tmp_path / "run", "train.max_steps=100",
                                                             "train.eval_every=5", "train.ckpt_every=100"))
@@ -84,17 +91,7 @@ def test_a_signal_on_the_step_the_time_limit_ends_leaves_that_steps_row_and_vali
     """The step that uses up train.max_minutes is the run's last: a signal during it checkpoints it owing its final
     log row and validation, as a run never stopped logs and validates it; the same command pays them without a
     step more, and the run is then finished."""
-    real_step, steps = train_mod.train_step, []
-
-    def slow_third_step(*args, **kwargs):
-        out = real_step(*args, **kwargs)
-        steps.append(1)
-        if len(steps) == 3:
-            time.sleep(3.5)  # past the 3 s limit
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-
-    monkeypatch.setattr(train_mod, "train_step", slow_third_step)
+    steps = signal_after_step(monkeypatch, 3, pause=3.5)  # past the 3 s limit
     args = ["train", "--config", str(ROOT / "configs/tiny.yaml"),
             *overrides(tiny_data, tmp_path / "run", "train.max_steps=100", "train.max_minutes=0.05",
                        "train.eval_every=100", "train.ckpt_every=100")]
@@ -111,18 +108,10 @@ def test_a_run_stopped_on_a_checkpoint_step_between_log_rows_logs_what_a_run_nev
         tiny_data, tmp_path, monkeypatch):
     """A run never stopped starts its log interval anew after each checkpoint: one stopped on a checkpoint step
     that logs nothing resumes with that interval empty too, so its next row averages the same steps."""
-    real_step, steps = train_mod.train_step, []
-
-    def signalled_at_6(*args, **kwargs):
-        out = real_step(*args, **kwargs)
-        steps.append(1)
-        if len(steps) == 6:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-
+    real_step = train_mod.train_step
     extra = ["train.max_steps=12", "train.log_every=4", "train.eval_every=100", "train.ckpt_every=3"]
     train_mod.train(load_config(ROOT / "configs/tiny.yaml", overrides(tiny_data, tmp_path / "ref", *extra)))
-    monkeypatch.setattr(train_mod, "train_step", signalled_at_6)
+    signal_after_step(monkeypatch, 6)
     cut = load_config(ROOT / "configs/tiny.yaml", overrides(tiny_data, tmp_path / "cut", *extra))
     assert train_mod.train(cut)["steps"] == 6
     monkeypatch.setattr(train_mod, "train_step", real_step)
@@ -135,21 +124,14 @@ def test_a_resume_that_crashes_while_paying_what_a_stop_owed_does_not_log_its_ro
                                                                                             monkeypatch):
     """A stop at a step that logs and validates owes both; the resume writes the row, then crashes in the
     validation (a kill, out of memory): the next resume writes that step's rows once, as a run never stopped."""
-    real_step, real_validate, steps = train_mod.train_step, train_mod.validate, []
-
-    def signalled_at_5(*args, **kwargs):
-        out = real_step(*args, **kwargs)
-        steps.append(1)
-        if len(steps) == 5:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
+    real_step, real_validate = train_mod.train_step, train_mod.validate
 
     def crashing(*args):
         raise RuntimeError("the process was killed here")
 
     cfg = load_config(ROOT / "configs/tiny.yaml", overrides(tiny_data, tmp_path / "run", "train.max_steps=10",
                                                             "train.eval_every=5", "train.ckpt_every=100"))
-    monkeypatch.setattr(train_mod, "train_step", signalled_at_5)
+    signal_after_step(monkeypatch, 5)
     assert train_mod.train(cfg)["steps"] == 5
     monkeypatch.setattr(train_mod, "train_step", real_step)
     monkeypatch.setattr(train_mod, "validate", crashing)
