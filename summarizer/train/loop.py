@@ -137,8 +137,7 @@ def train(cfg: Config) -> dict:
     loop = start_loop(session)
     try:
         ended = pay(session, loop)  # what a stop left owed: this run's first log row and validation
-        minutes = cfg.train.max_minutes  # a run stopped on the step its time ran out has no step more to train
-        ended = ended or bool(minutes) and progress["elapsed_s"] >= 60 * minutes
+        ended = ended or time_is_up(progress, cfg.train)  # a run stopped on its time's last step trains no more
         while not ended and progress["step"] < cfg.train.max_steps:
             fetch_started = time.perf_counter()
             try:
@@ -155,9 +154,7 @@ def train(cfg: Config) -> dict:
                 out = step_once(session, fetched, time.perf_counter() - fetch_started, loop)
                 if out is None:  # a loss spike rolled the run back to its newest checkpoint
                     continue
-                minutes = cfg.train.max_minutes
-                *signals, time_up = loop.consensus(*loop.stop.flags(),
-                                                   bool(minutes) and progress["elapsed_s"] >= 60 * minutes)
+                *signals, time_up = loop.consensus(*loop.stop.flags(), time_is_up(progress, cfg.train))
                 # a signal to any rank: the finished step's checkpoint first, and nothing else (what it owes waits: owe)
                 if loop.stop.agree(signals):  # on the step the time limit ends: the run's last row and validation
                     owe(session, loop, out, log=True, final=time_up)
@@ -185,6 +182,11 @@ def train(cfg: Config) -> dict:
             "run_dir": str(cfg.run_dir), "signal": loop.stop.signum,
             "finished": progress["step"] >= cfg.train.max_steps and "owed" not in progress,
             "owes_validation": progress.get("owed", {}).get("validate", False)}
+
+
+def time_is_up(progress: dict, train_cfg: TrainConfig) -> bool:
+    """Whether the run has trained train.max_minutes (0: no limit)."""
+    return train_cfg.max_minutes > 0 and progress["elapsed_s"] >= 60 * train_cfg.max_minutes
 
 
 def step_once(session: Session, fetched: list, data_s: float, loop: Loop) -> dict | None:

@@ -8,13 +8,13 @@ from pathlib import Path
 
 from summarizer.config.schema import Config, TrainConfig
 from summarizer.model import checkpoint
-from summarizer.train.loop import train
+from summarizer.train.loop import time_is_up, train
 from summarizer.train.session import check_finished
 
 
 def is_finished(progress: dict, t: TrainConfig) -> bool:
     """Training stopped for good (max_steps, max_minutes or patience), not by a signal or a crash."""
-    return (progress["step"] >= t.max_steps or (t.max_minutes > 0 and progress["elapsed_s"] >= 60 * t.max_minutes)
+    return (progress["step"] >= t.max_steps or time_is_up(progress, t)
             or (t.patience > 0 and progress["bad_evals"] >= t.patience))
 
 
