@@ -173,7 +173,7 @@ def test_source_weights_must_name_prepared_tags_with_usable_values(monkeypatch):
     from summarizer.data import prepared
     from summarizer.errors import ConfigError
     pairs = [{"source": "a", "target": "b", **t} for t in ({"tag": "wire"}, {}, {"tag": "news"})]
-    monkeypatch.setattr(prepared, "read_pairs", lambda data_dir, split: pairs)
+    monkeypatch.setattr(prepared, "iter_pairs", lambda data_dir, split: iter(pairs))
     meta = {"splits": {"train": {"pairs_by_tag": {"wire": 1, "news": 1, "(untagged)": 1}}}}
     cfg = DataConfig()
     assert prepared.source_weights(cfg, meta, 3) is None
@@ -189,3 +189,31 @@ def test_source_weights_must_name_prepared_tags_with_usable_values(monkeypatch):
     cfg.source_weights = {"wire": 0, "news": 0}
     with pytest.raises(ConfigError, match="every train pair 0"):
         prepared.source_weights(cfg, meta, 1)  # the first pair alone: wire, weighted 0
+
+
+def test_the_train_splits_text_is_read_a_pair_at_a_time(tmp_path):
+    """The known words and the source weights read train.jsonl in one pass, never whole: the full Gigaword's
+    is 3.8M pairs, gigabytes as a list of records."""
+    import json
+    import tracemalloc
+
+    from summarizer.config.schema import DataConfig
+    from summarizer.data import prepared
+    n, words = 40_000, [f"w{i}" for i in range(50)]
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"source": " ".join(words[(i + k) % 50] for k in range(30)),
+                                "target": " ".join(words[(i + k) % 50] for k in range(8)), "tag": "wire" * (i % 2)})
+                    + "\n")
+    (tmp_path / "meta.json").write_text(json.dumps({"format_version": prepared.FORMAT_VERSION, "splits": {
+        "train": {"pairs_by_tag": {"wire": n // 2, "(untagged)": n // 2}}}}))
+    cfg = DataConfig(dir=str(tmp_path), source_weights={"wire": 2})
+    tracemalloc.start()
+    try:
+        known = prepared.training_words.__wrapped__(tmp_path)
+        weights = prepared.source_weights(cfg, json.loads((tmp_path / "meta.json").read_text()), n)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert known == set(words) and weights.tolist() == [1.0, 2.0] * (n // 2)
+    assert peak < 3e6, f"{peak / 1e6:.1f} MB to read a {n}-pair split of {len(words)} words"  # as a list: 26 MB

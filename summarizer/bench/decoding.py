@@ -177,7 +177,7 @@ def summarize_row(cfg: Config, cuda: bool = False) -> dict:
         cfg.eval, **({"batch_tokens": 16384} if cuda else {"quantize": "none"})))
     n = cfg.bench.decode_sentences
     split = "test" if "test" in read_meta(cfg.data.dir)["splits"] else "valid"
-    text = "".join(p["source"] + "\n" for p in read_pairs(cfg.data.dir, split)[:n]).encode()
+    text = "".join(p["source"] + "\n" for p in read_pairs(cfg.data.dir, split, n)).encode()
 
     def run(config: Config) -> list:
         out = io.StringIO()

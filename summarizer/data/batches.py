@@ -111,7 +111,7 @@ class PairDataset(Dataset):
         if limit > 0:  # the first `limit` pairs: offsets are cut, the flat arrays stay mapped as they are
             src_offsets, tgt_offsets = src_offsets[:limit + 1], tgt_offsets[:limit + 1]
         wanted = sampler is not None or masker is not None
-        records = read_pairs(data_dir, split)[:len(src_offsets) - 1] if wanted else []
+        records = read_pairs(data_dir, split, len(src_offsets) - 1) if wanted else []
         texts = [(p["source"], p["target"]) for p in records] if sampler is not None else None
         # With source tags, each source's first prepared piece is its tag's, which resegmented text lacks.
         heads = src[src_offsets[:-1]].astype(np.int64) if sampler is not None and cfg.source_tag else None

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -128,13 +130,18 @@ def load_split(data_dir: str | Path, split: str) -> SplitArrays:
     return SplitArrays(**arrays)
 
 
-def read_pairs(data_dir: str | Path, split: str) -> list[dict]:
-    """The cleaned text pairs of a split ({"source", "target"[, "references"]}), in array order."""
+def iter_pairs(data_dir: str | Path, split: str) -> Iterator[dict]:
+    """The cleaned text pairs of a split ({"source", "target"[, "references", "tag"]}), in array order, one at a
+    time: a full Gigaword train split is 3.8M pairs, gigabytes as a list of dicts."""
     data_dir = Path(data_dir)
     _check_split(data_dir, split, read_meta(data_dir))
-    path = data_dir / split_files(split)["pairs"]
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+    with open(data_dir / split_files(split)["pairs"], encoding="utf-8") as f:
+        yield from map(json.loads, f)
+
+
+def read_pairs(data_dir: str | Path, split: str, limit: int | None = None) -> list[dict]:
+    """The first `limit` (all, if None) pairs of `iter_pairs`, as a list."""
+    return list(itertools.islice(iter_pairs(data_dir, split), limit))
 
 
 @functools.lru_cache(maxsize=4)
@@ -142,7 +149,7 @@ def training_words(data_dir: str | Path) -> frozenset[str]:
     """Every word of the prepared train split's text (sources and targets, as normalised): the vocabulary
     a summary's words are checked against (with its own source's)."""
     known: set[str] = set()
-    for pair in read_pairs(data_dir, "train"):
+    for pair in iter_pairs(data_dir, "train"):
         known.update(pair["source"].lower().split())
         known.update(pair["target"].lower().split())
     return frozenset(known)
@@ -175,8 +182,8 @@ def source_weights(cfg: DataConfig, meta: dict, count: int) -> np.ndarray | None
            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0}
     if bad:
         raise ConfigError(f"data.source_weights must map tags to finite numbers >= 0, got {bad}")
-    weights = np.array([float(cfg.source_weights.get(p.get("tag", ""), 1.0))
-                        for p in read_pairs(cfg.dir, "train")[:count]])
+    weights = np.fromiter((float(cfg.source_weights.get(p.get("tag", ""), 1.0))
+                           for p in itertools.islice(iter_pairs(cfg.dir, "train"), count)), dtype=np.float64)
     if not weights.any():
         raise ConfigError("data.source_weights weights every train pair 0: nothing would be drawn")
     return weights

@@ -187,7 +187,7 @@ def read_eval_pairs(cfg: Config, meta: dict, tokenizer: Tokenizer) -> tuple[str,
         raise DataError(f"split '{e.split}' was not prepared in {cfg.data.dir} (prepared: "
                         f"{', '.join(meta['splits'])}); map it in data.splits and re-run prep, set eval.split, "
                         f"or score a pairs file with eval.pairs=PATH")
-    pairs = read_pairs(cfg.data.dir, e.split)[:e.limit or None]
+    pairs = read_pairs(cfg.data.dir, e.split, e.limit or None)
     arrays = load_split(cfg.data.dir, e.split)
     ids = [arrays.src[arrays.src_offsets[i]:arrays.src_offsets[i + 1]][:cfg.data.max_source_len].tolist()
            for i in range(len(pairs))]

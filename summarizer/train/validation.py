@@ -145,7 +145,7 @@ def valid_rouge(s: Session, model: nn.Module, check: Callable[[], None] | None =
     `train.rouge_samples` valid pairs: fast, and comparable across steps. `check`: the stop point between batches
     (decode_all)."""
     if s.rouge_pairs is None:
-        s.rouge_pairs = read_pairs(s.cfg.data.dir, valid_split(s.meta))[:s.cfg.train.rouge_samples]
+        s.rouge_pairs = read_pairs(s.cfg.data.dir, valid_split(s.meta), s.cfg.train.rouge_samples)
     pairs = s.rouge_pairs
     hyps = decode_all(model, [s.valid_ds[i][0] for i in range(len(pairs))],
                       dataclasses.replace(s.cfg.eval, beam_size=1), s.rt, lexicon=lexicon(s.cfg.data.dir), check=check)
