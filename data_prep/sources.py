@@ -165,7 +165,26 @@ _DECODE = {"json": {"encoding": "utf-8-sig", "encoding_errors": "replace"},
            "csv": {"encoding": "utf-8-sig", "encoding_errors": "replace", "na_filter": False}}
 
 
-def _load_builder(builder: str, path: Path, cache_dir: Path, fresh: bool) -> Dataset:
+def _json_features(path: Path) -> Features:
+    """Every field of a JSON Lines file of objects, typed by its first value (null until one comes): the json
+    builder types a file by its first 10 MB and fails at a field first met after them. A field whose values
+    differ in kind (a number, then text) is refused at the first line that differs."""
+    first: dict[str, tuple[object, int]] = {}  # field -> (first value not null, its line)
+    for number, raw in numbered_lines(path):
+        for field, value in (parse_record(raw) if raw.strip() else {}).items():
+            seen, line = first.setdefault(field, (value, number))
+            if seen is None:
+                first[field] = (value, number)
+            elif value is not None and type(value) is not type(seen) and {type(value), type(seen)} != {int, float}:
+                raise DataError(f"{path}:{number}: field '{field}' holds {json.dumps(value)[:80]}, line {line} "
+                                f"{json.dumps(seen)[:80]}: give the field one kind of value on every line")
+    schema = pa.schema([(field, pa.float64() if isinstance(value, float) else pa.array([value]).type)
+                        for field, (value, _) in first.items()])
+    return Features.from_arrow_schema(schema)
+
+
+def _load_builder(builder: str, path: Path, cache_dir: Path, fresh: bool, features: Features | None = None
+                  ) -> Dataset:
     """One local file through a datasets builder; `fresh` (data.rebuild) reads it again rather than from the
     cache, which datasets keys by the file's path and modification time, not its contents."""
     if path.stat().st_size == 0:
@@ -174,13 +193,15 @@ def _load_builder(builder: str, path: Path, cache_dir: Path, fresh: bool) -> Dat
         # read again; without its checks, which compare the new read with the cache's record of the old one
         again = {"download_mode": "force_redownload", "verification_mode": "no_checks"} if fresh else {}
         ds = datasets.load_dataset(builder, data_files={"data": str(path)}, split="data", cache_dir=str(cache_dir),
-                                   **again, **_DECODE[builder])
+                                   **({"features": features} if features else {}), **again, **_DECODE[builder])
     except Exception as exc:  # datasets wraps parser errors and does not say which line
         if not any(raw.strip() for _, raw in numbered_lines(path)):  # blank lines, or a gzip of nothing
             raise DataError(f"{path} holds no rows: remove it or fill it with pairs") from None
         bad = _first_bad_json_line(path) if builder == "json" else None
         if bad:
             raise DataError(f"{path}:{bad[0]}: {bad[1]}: fix or remove that line") from None
+        if builder == "json" and features is None:  # every line an object: typed by their fields, all of them
+            return _load_builder(builder, path, cache_dir, fresh, _json_features(path))
         raise DataError(f"cannot read {path} ({type(exc).__name__}: {exc.__cause__ or exc}): "
                         f"check that it is valid {builder.upper()}") from None
     if len(ds) == 0:

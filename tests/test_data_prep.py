@@ -437,6 +437,23 @@ def test_a_field_that_is_not_text_is_refused_naming_its_line(tmp_path, bad, line
         _load(tmp_path, f"data.source={tmp_path}")
 
 
+@pytest.mark.parametrize("late, error", [({"id": 7, "note": None}, None),
+                                         ({"id": "x7"}, r"train.jsonl:11002: field 'id' holds \"x7\", line 1 1: give")])
+def test_a_field_first_met_after_a_jsonl_files_first_10_mb_is_read_and_one_of_two_kinds_named(tmp_path, late, error):
+    """datasets' json builder types a file by its first 10 MB (its chunk) and failed at a field first met after
+    them, or one holding another kind of value there, saying only "column names don't match"."""
+    text = "the council voted on the budget of the city " * 24  # ~1 KB a line: 11,000 lines pass 10 MB
+    records = [{"source": text, "target": "council votes budget", **({"id": 1} if error else {})}] * 11_001
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records + [
+        {"source": text, "target": "council votes again", **late}]))
+    if error:
+        with pytest.raises(DataError, match=error):
+            _load(tmp_path, f"data.source={tmp_path}")
+        return
+    splits, _ = _load(tmp_path, f"data.source={tmp_path}", "data.valid_holdout=0")
+    assert len(splits["train"]) == 11_002 and splits["train"]["target"][-1] == "council votes again"
+
+
 def test_csv_headlines_that_read_as_missing_values_are_kept_as_text(tmp_path):
     """pandas reads "NA", "null", "None" and "nan" as missing: as headlines they are words."""
     source = tmp_path / "src"
