@@ -81,6 +81,17 @@ def load_builder(builder: str, path: Path, cache_dir: Path, fresh: bool, feature
     return ds
 
 
+def undecodable_lines(path: Path) -> tuple[int, int]:
+    """How many lines of a text file are not UTF-8, and the first one's number (0 if none)."""
+    count = first = 0
+    for number, raw in numbered_lines(path):
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            count, first = count + 1, first or number
+    return count, first
+
+
 def rush_title(article: Path) -> Path:
     """The `.title.txt` file paired with a Rush `.article.txt` file."""
     return article.with_name(article.name[: -len(".article.txt")] + ".title.txt")

@@ -6,9 +6,10 @@ import re
 from pathlib import Path
 
 import datasets
+import pyarrow.compute as pc
 from datasets import Dataset, Value
 
-from data_prep.files import FEATURES, load_builder, load_rush, rush_title
+from data_prep.files import FEATURES, load_builder, load_rush, rush_title, undecodable_lines
 from data_prep.hub import is_hub, load_hub
 from data_prep.mix import FileSpec, apply_cleaning, apply_filter, parse_entry, sha256, under
 from summarizer.config.schema import DataConfig
@@ -227,8 +228,23 @@ def load_file(spec: FileSpec, cfg: DataConfig, cache_dir: Path) -> tuple[Dataset
         ds = (_standardize_unpaired if spec.unpaired else _standardize)(filtered, cfg, str(path))
     ds, changed = apply_cleaning(ds, spec) if spec.clean or spec.tag else (ds, {})
     info = {"path": str(path), "sha256": sha256(path), "tag": spec.tag, "rows": rows, "kept_by_filter": kept,
-            "cleaned": changed, **({"unpaired": True} if spec.unpaired else {})}
+            "cleaned": changed, **({"unpaired": True} if spec.unpaired else {}), **_not_utf8(ds, path)}
     return ds, info
+
+
+def _not_utf8(ds: Dataset, path: Path) -> dict:
+    """{"not_utf8_lines": N} for a file with lines that are not UTF-8, named in a note: their bytes read as U+FFFD,
+    and cleaning drops such pairs (bad_chars), all but every pair of a Latin-1 file with an accent; else {}."""
+    if not any(pc.any(pc.match_substring(ds.data.column(c), "\ufffd")).as_py() for c in ("source", "target")):
+        return {}
+    files = [path, rush_title(path)] if path.name.endswith(".article.txt") else [path]
+    found = {p: lines for p in files if (lines := undecodable_lines(p))[0]}
+    for where, (count, first) in found.items():
+        print(f"note: {where}: {count:,} line(s) are not UTF-8 (the first: line {first}); their pairs are dropped "
+              f"(bad_chars); if it is in another encoding, convert it to UTF-8 first (from Latin-1: iconv -f LATIN1 "
+              f"-t UTF-8 {where.name} > NEW)",
+              flush=True)
+    return {"not_utf8_lines": sum(count for count, _ in found.values())} if found else {}
 
 
 def load_splits(cfg: DataConfig, cache_dir: Path) -> tuple[dict[str, Dataset], list[str], list[dict]]:

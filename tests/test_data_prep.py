@@ -454,6 +454,22 @@ def test_a_field_first_met_after_a_jsonl_files_first_10_mb_is_read_and_one_of_tw
     assert len(splits["train"]) == 11_002 and splits["train"]["target"][-1] == "council votes again"
 
 
+def test_a_file_with_lines_that_are_not_utf8_is_named_with_their_count_and_first_line(tmp_path, capsys):
+    """Undecodable bytes read as U+FFFD and cleaning drops those pairs: for a Latin-1 file, every pair with an
+    accent, counted only among the drops unless the file is named."""
+    rows = [{"source": f"the {w} of the city council met on day {i}", "target": f"{w} meets"}
+            for i, w in enumerate(["mayor", "café owner", "board", "résumé writer"] * 10)]
+    (tmp_path / "train.jsonl").write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+                                          .encode("latin-1"))
+    (tmp_path / "valid.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    cfg = data_config(tmp_path / "prep", f"data.source={tmp_path}")
+    _, _, inputs = load_splits(cfg, tmp_path / "cache")
+    out = capsys.readouterr().out
+    assert f"note: {tmp_path / 'train.jsonl'}: 20 line(s) are not UTF-8 (the first: line 2)" in out
+    assert "iconv -f LATIN1 -t UTF-8 train.jsonl > NEW" in out and "valid.jsonl:" not in out
+    assert [i.get("not_utf8_lines") for i in inputs] == [20, None]
+
+
 def test_csv_headlines_that_read_as_missing_values_are_kept_as_text(tmp_path):
     """pandas reads "NA", "null", "None" and "nan" as missing: as headlines they are words."""
     source = tmp_path / "src"
