@@ -49,3 +49,13 @@ def test_eval_zero_p_and_slow_path():
     assert torch.equal(slow, F.dropout(x, 0.5, training=True))
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         Dropout(1.0)
+
+
+def test_under_torch_compile_it_is_torchs_dropout_in_one_graph():
+    """numpy's generator cannot be traced: every fast dropout of a compiled layer broke its graph in two (and
+    warned about the cached bit pattern); compiled, it is F.dropout, which the compiler fuses."""
+    drop = Dropout(0.25).train()
+    compiled = torch.compile(drop, backend="eager", fullgraph=True)  # fullgraph: a graph break is an error
+    torch.manual_seed(0)
+    y = compiled(torch.ones(64, 64))
+    assert set(y.unique().tolist()) == {0.0, torch.tensor(4 / 3).item()} and 0.15 < (y == 0).float().mean() < 0.35

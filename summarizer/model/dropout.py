@@ -8,8 +8,9 @@ from numpy's SFC64 generator, compared with round(p * 2^16) (the drop probabilit
 1 / (1 - p) in x's dtype (rounded to that dtype, exactly as torch's kernel rounds it). Forward and
 backward are then one vectorised multiply each. The generator is seeded by one draw from torch's
 default generator, so `torch.manual_seed` and the checkpointed torch RNG state still determine
-every mask: seeded runs and exact resume are unchanged. On CUDA, for other dtypes, or with
-`fast=False`, this is `F.dropout`, whose fused kernel is already fast.
+every mask: seeded runs and exact resume are unchanged. On CUDA, for other dtypes, with `fast=False`, or
+inside torch.compile (which fuses its own dropout into the neighbouring ops, where numpy would break the
+graph at every dropout), this is `F.dropout`.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ class Dropout(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0.0:
             return x
-        if self.fast and x.device.type == "cpu" and x.dtype in _INT_VIEWS:
+        if self.fast and x.device.type == "cpu" and x.dtype in _INT_VIEWS and not torch.compiler.is_compiling():
             return _Multiply.apply(x, dropout_multiplier(x.shape, self.p, x.dtype))
         return F.dropout(x, self.p, training=True)
 
