@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -207,10 +208,12 @@ def check_report_target(path: str | Path, writer: str, key: str) -> Path:
         raise ConfigError(f"{key} {path.parent} is a file, not a directory: give a directory for {path.name}")
     if path.is_dir():
         raise ConfigError(f"{path} is a directory: choose another {key}")
-    try:  # now, not after the work: a directory that cannot be made (a file on its path, no permission)
+    try:  # now, not after the work: a directory that cannot be made or written (no permission, read-only)
         path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
     except OSError as exc:
-        raise ConfigError(f"cannot create {key} {path.parent} ({exc.strerror or exc}): give a directory you can "
+        raise ConfigError(f"cannot write in {key} {path.parent} ({exc.strerror or exc}): give a directory you can "
                           f"write") from None
     if path.exists():
         try:

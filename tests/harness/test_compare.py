@@ -187,9 +187,12 @@ def test_compare_never_replaces_a_file_it_did_not_write(systems, tmp_path, capsy
     assert main(["compare", str(bad), str(good), "--ref", ref, "--out", str(mine), "--samples", "10"]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
     assert main(["compare", str(bad), str(good), "--ref", ref, "--out", str(mine / "sub"), "--samples", "10"]) == 2
-    assert f"cannot create --out {mine / 'sub'} (Not a directory)" in capsys.readouterr().err
+    assert f"cannot write in --out {mine / 'sub'} (Not a directory)" in capsys.readouterr().err
     assert main(["compare", str(bad), str(good), "--ref", ref, "--out", "/proc/no_such_dir", "--samples", "10"]) == 2
-    assert "cannot create --out /proc/no_such_dir" in capsys.readouterr().err
+    assert "cannot write in --out /proc/no_such_dir" in capsys.readouterr().err
+    assert main(["compare", str(bad), str(good), "--ref", ref, "--out", "/proc", "--samples", "10"]) == 2  # exists
+    err = capsys.readouterr().err  # but takes no file, even from root: refused before the scoring, not after it
+    assert "cannot write in --out /proc" in err and "Traceback" not in err
     latin = tmp_path / "latin1.txt"
     latin.write_bytes(good.read_text().replace("a", "\xe9").encode("latin-1"))
     assert main(["compare", str(latin), str(good), "--ref", ref, "--out", str(tmp_path), "--samples", "10"]) == 2
