@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import socket
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -194,6 +195,18 @@ def claim_events_dir(path: str | Path, run_dir: str | Path) -> Path:
     if not marker.is_file():
         atomic_write(marker, owner + "\n")
     return path
+
+
+def code_version() -> dict:
+    """The commit of the code that is running and whether it had uncommitted changes (empty and False outside a
+    git checkout): what a run's manifest and an eval's rouge.json record of what produced them."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                                  cwd=Path(__file__).resolve().parent).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain"))}
 
 
 WRITTEN_BY = "written_by"  # the key a JSON report of the product names its writer under

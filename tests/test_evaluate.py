@@ -24,6 +24,14 @@ def test_eval_writes_predictions_and_report(trained_tiny, capsys):
         assert set(report[kind]) == {"f", "p", "r", "f_ci"} and 0 <= report[kind]["f"] <= 100
     assert set(report["lead"]) == {"lead-8", "lead-10", "lead-12"}
     assert report["settings"]["beam_size"] == 2 and report["sentences_per_s"] > 0 and report["startup_s"] > 0
+    # what the scores were measured against and what produced them, for compare, seeds and report to check
+    from summarizer.data.prepared import read_pairs
+    from summarizer.evaluation.scoring import pair_references, references_sha256
+    from summarizer.outputs import code_version
+    data_dir = next(a.split("=", 1)[1] for a in args if a.startswith("data.dir="))
+    assert report["settings"]["data_dir"] == data_dir and report["settings"]["references_sha256"] == \
+        references_sha256(pair_references(read_pairs(data_dir, "test")))
+    assert {k: report["settings"][k] for k in ("git_commit", "git_dirty")} == code_version()
 
 
 def test_summarize_reads_stdin_and_writes_one_line_each(trained_tiny, monkeypatch, capsys):

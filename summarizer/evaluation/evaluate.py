@@ -23,15 +23,22 @@ from summarizer.decode.inference import (
 from summarizer.decode.lexicon import lexicon
 from summarizer.decode.quantize import decoding_precision
 from summarizer.decode.search import copied_unknowns, decode_all, decode_batch_tokens, static_shapes
-from summarizer.evaluation.scoring import measure_for, quality, rouge_report, words
-from summarizer.outputs import claim_dir, refuse_overlap, write_together
+from summarizer.evaluation.scoring import (
+    measure_for,
+    pair_references,
+    quality,
+    references_sha256,
+    rouge_report,
+    words,
+)
+from summarizer.outputs import claim_dir, code_version, refuse_overlap, write_together
 
 
 def score(cfg: Config, meta: dict, pairs: list[dict], predictions: list[str]) -> dict:
     """ROUGE (F, or recall at eval.truncate_bytes as DUC reports it), the quality rates and lead-N."""
     e, norm = cfg.eval, meta["normalization"]
     measure = measure_for(e.truncate_bytes)
-    references = [p.get("references") or [p["target"]] for p in pairs]
+    references = pair_references(pairs)
     report = rouge_report(predictions, references, e.bootstrap_samples, measure=measure)
     sources = [[words(normalize_as(p["source"], norm)), words(p["source"])]
                for p in pairs]
@@ -45,7 +52,9 @@ def score(cfg: Config, meta: dict, pairs: list[dict], predictions: list[str]) ->
     return report
 
 
-def settings(cfg: Config, name: str, n: int, source: dict, precision: str) -> dict:
+def settings(cfg: Config, name: str, pairs: list[dict], source: dict, precision: str) -> dict:
+    """What a rouge.json's scores mean and what produced them: the scoring, the pairs and their references'
+    digest, the decoding settings, the checkpoint, the data dir and the code's commit."""
     e = cfg.eval
     references = ("each pair's references pooled, hits and counts summed (ROUGE-1.5.5's -f A)" if e.truncate_bytes
                   else "best reference per ROUGE type")
@@ -53,11 +62,13 @@ def settings(cfg: Config, name: str, n: int, source: dict, precision: str) -> di
         "scorer": "rouge-score (Google) with Porter stemming, default tokenizer (lower-cased, alphanumeric)",
         "aggregation": f"mean over pairs; {references}; bootstrap 95% interval",
         "measure": f"recall of the first {e.truncate_bytes} bytes" if e.truncate_bytes else "F-measure, full length",
-        "unk": "UNK and <unk> scored as the same word", "split": name, "pairs": n, "pairs_file": e.pairs or None,
+        "unk": "UNK and <unk> scored as the same word", "split": name, "pairs": len(pairs),
+        "pairs_file": e.pairs or None, "data_dir": str(cfg.data.dir),
+        "references_sha256": references_sha256(pair_references(pairs)),
         "beam_size": e.beam_size, "max_len": e.max_len, "min_len": e.min_len, "length_penalty": e.length_penalty,
         "no_repeat_ngram": e.no_repeat_ngram, "known_words": e.known_words, "no_repeat_words": e.no_repeat_words,
         "truncate_bytes": e.truncate_bytes, "quantize": source["quantize"],
-        "checkpoint": {"path": source["path"], "step": source["step"]}, "precision": precision}
+        "checkpoint": {"path": source["path"], "step": source["step"]}, "precision": precision, **code_version()}
 
 
 def evaluate(cfg: Config) -> dict:
@@ -88,7 +99,7 @@ def evaluate(cfg: Config) -> dict:
     for_people = [summary_text(h, p["source"], tokenizer, meta, cfg.eval.truncate_bytes, copied, n)
                   for h, p, copied, n in zip(hyps, pairs, copied_unknowns(model, ids, hyps, rt), numbers, strict=True)]
     report = score(cfg, meta, pairs, predictions)
-    report["settings"] = settings(cfg, name, len(pairs), source, rt.precision)
+    report["settings"] = settings(cfg, name, pairs, source, rt.precision)
     report["settings"].update(batch_tokens=decode_batch_tokens(cfg.eval, rt),
                               shapes="static" if static_shapes(cfg.eval, rt) else "dynamic")
     report["sentences_per_s"] = len(pairs) / seconds  # decoding alone, as other toolkits time it

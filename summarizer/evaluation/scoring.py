@@ -2,6 +2,8 @@
 (non-words, repeated words, length) that ROUGE does not show."""
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import sys
 from collections import Counter
@@ -14,6 +16,17 @@ ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 MEASURES = ("p", "r", "f")
 _UNK = re.compile(r"(?<!\S)(?:UNK|<unk>)(?!\S)")
 _CLOSING_PUNCTUATION = re.compile(r"[^\w#]+$")  # what a word's repeat key leaves out (summarizer/decode/constraints.py)
+
+
+def pair_references(pairs: list[dict]) -> list[list[str]]:
+    """Each pair's reference summaries: its `references` (DUC's four), else its `target`."""
+    return [p.get("references") or [p["target"]] for p in pairs]
+
+
+def references_sha256(references: list[list[str]]) -> str:
+    """What scores were measured against, as one digest of each pair's references in order: eval's rouge.json
+    records it, and compare and seeds check the references they are given or would score against it."""
+    return hashlib.sha256(json.dumps(references, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
 def unify_unk(text: str) -> str:

@@ -12,7 +12,14 @@ from summarizer.data.pairs import read_pairs_file
 from summarizer.data.prepared import read_pairs
 from summarizer.decode.inference import truncate_bytes
 from summarizer.errors import UserError
-from summarizer.evaluation.scoring import MEASURES, ROUGE_TYPES, bootstrap_means, measure_for, pair_scores
+from summarizer.evaluation.scoring import (
+    MEASURES,
+    ROUGE_TYPES,
+    bootstrap_means,
+    measure_for,
+    pair_scores,
+    references_sha256,
+)
 from summarizer.outputs import check_report_target, write_report
 
 NAMES = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L"}
@@ -182,9 +189,14 @@ def compare(a: str, b: str, ref: str, out_dir: str | Path = ".", samples: int = 
     paths = {"A": path_a, "B": path_b}
     settings = {role: eval_settings(path) for role, path in paths.items()}
     check_cuts(settings, paths, truncate)
+    digest = references_sha256(references)
     for role, path in paths.items():
         source = decoded_from(settings[role])
-        if source is not None and source != named:
+        if settings[role].get("references_sha256") not in (None, digest):
+            raise CompareError(f"{role} {path} was scored against other references than --ref {ref} holds (its "
+                               f"rouge.json: {source or 'unknown'} in {settings[role].get('data_dir', 'a data dir')}"
+                               f"): give as --ref the pairs it summarises")
+        if "references_sha256" not in settings[role] and source is not None and source != named:
             print(f"warning: {role} {path} was decoded from {source} (its rouge.json), but --ref {ref} is {named}: "
                   f"its scores mean something only against the references it summarises", file=sys.stderr, flush=True)
     out = Path(out_dir) / OUTPUT

@@ -16,7 +16,7 @@ from summarizer.data.pairs import read_pairs_file
 from summarizer.data.prepared import read_pairs
 from summarizer.errors import ConfigError
 from summarizer.evaluation.evaluate import evaluate
-from summarizer.evaluation.scoring import ROUGE_TYPES, measure_for
+from summarizer.evaluation.scoring import ROUGE_TYPES, measure_for, pair_references, references_sha256
 from summarizer.model import checkpoint
 from summarizer.outputs import check_report_target, write_report
 from summarizer.train.stages import train_stages
@@ -57,7 +57,8 @@ def seed_stages(stages: list[tuple[str, Config]], seed: int) -> list[tuple[str, 
 
 
 def current_evaluation(cfg: Config) -> dict | None:
-    """The run's rouge.json when it scored the current best.pt with the current eval settings, else None."""
+    """The run's rouge.json when it scored the current best.pt with the current eval settings against the references
+    it would score against now, else None."""
     out_dir = Path(cfg.eval.out_dir) if cfg.eval.out_dir else cfg.run_dir
     path, best = out_dir / "rouge.json", cfg.run_dir / checkpoint.BEST
     if not path.is_file() or not best.is_file():
@@ -73,10 +74,12 @@ def current_evaluation(cfg: Config) -> dict | None:
             getattr(cfg.eval, key) != "auto" and settings.get(key) != getattr(cfg.eval, key)
             for key in ("quantize", "precision")):
         return None
-    pairs = len(read_pairs_file(cfg.eval.pairs) if cfg.eval.pairs else read_pairs(cfg.data.dir, cfg.eval.split))
+    limit = cfg.eval.limit or None
+    pairs = (read_pairs_file(cfg.eval.pairs)[:limit] if cfg.eval.pairs
+             else read_pairs(cfg.data.dir, cfg.eval.split, limit))
     scored = settings.get("checkpoint", {})
-    if settings.get("pairs") != (min(pairs, cfg.eval.limit) if cfg.eval.limit else pairs):
-        return None
+    if settings.get("references_sha256") != references_sha256(pair_references(pairs)):
+        return None  # other pairs (another data dir, an edited file, eval.limit), or a rouge.json that did not say
     if Path(scored.get("path", "")).name != checkpoint.BEST or scored.get("step") != checkpoint.load(best)["step"]:
         return None
     return report

@@ -136,6 +136,27 @@ def test_an_evaluation_compared_against_references_of_another_split_is_warned_of
         capsys.readouterr().err
 
 
+def test_an_evaluation_scored_against_other_references_is_refused(systems, tiny_prepared, tmp_path):
+    """Where rouge.json records the digest of the references it was scored against, other references are
+    certain, whatever their split's name (another data dir's `test` may hold other pairs)."""
+    from summarizer.evaluation.scoring import references_sha256
+    from summarizer.harness.compare import read_references
+    _, good, bad, _ = systems
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "predictions.txt").write_text(good.read_text())
+    scored = references_sha256(read_references(f"{tiny_prepared}:test")[1])
+    for digest, fine in ((scored, True), ("0" * 64, False)):
+        (run / "rouge.json").write_text(json.dumps({"settings": {"split": "test", "references_sha256": digest,
+                                                                 "data_dir": "data/elsewhere"}}))
+        if fine:
+            compare(str(bad), str(run), f"{tiny_prepared}:test", tmp_path / "same", samples=10)
+            continue
+        with pytest.raises(CompareError, match=rf"B {run / 'predictions.txt'} was scored against other references "
+                                               rf"than --ref .* holds \(its rouge.json: test in data/elsewhere\)"):
+            compare(str(bad), str(run), f"{tiny_prepared}:test", tmp_path / "other", samples=10)
+
+
 def test_line_count_mismatch_names_both_files(systems, tmp_path, capsys):
     from summarizer.__main__ import main
     _, good, _, _ = systems

@@ -102,8 +102,13 @@ def test_an_evaluation_is_reused_only_for_the_settings_it_scored_with(two_seeds)
     _, args = two_seeds
     seeds.run_seeds(cfg_of(args), 2)  # evaluated with these settings, whatever an earlier test left
     assert seeds.current_evaluation(seed_config(cfg_of(args), 1)) is not None
+    from data_prep.__main__ import main as prep
+    other = two_seeds[0] / "data_swapped"  # its test split is the fixture's valid: as many pairs scored, others
+    if not other.is_dir():
+        assert prep([*args[:2], f"data.dir={other}", "data.splits={train: [train], valid: [test], test: [valid]}"]) == 0
     for change in ("eval.truncate_bytes=75", "eval.known_words=false", "eval.no_repeat_words=false",
-                   "eval.quantize=none", "eval.precision=bf16", f"eval.pairs={args[2].split('=', 1)[1]}/test.jsonl"):
+                   "eval.quantize=none", "eval.precision=bf16", f"eval.pairs={args[2].split('=', 1)[1]}/test.jsonl",
+                   f"data.dir={other}"):
         assert seeds.current_evaluation(seed_config(cfg_of(args, change), 1)) is None, change
 
 

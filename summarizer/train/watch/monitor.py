@@ -5,7 +5,6 @@ import json
 import os
 import platform
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from tqdm import tqdm
 
 from summarizer.config.load import to_dict
 from summarizer.config.schema import Config
-from summarizer.outputs import atomic_write
+from summarizer.outputs import atomic_write, code_version
 from summarizer.runtime.profiling import per_step
 
 
@@ -61,14 +60,6 @@ def memory_report(device: torch.device) -> str:
     return f"resident {current_memory_mb(device):.0f} MiB, peak {peak_memory_mb(device):.0f} MiB"
 
 
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], precision: str,
                    data_meta: dict, world_size: int, changes: list[dict] = (), probe: dict | None = None) -> dict:
     """Everything needed to say later exactly what produced this run's numbers; `changes` (config keys
@@ -83,7 +74,7 @@ def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], prec
                     for d in devices],
         "cpu_threads": torch.get_num_threads(), "world_size": world_size, "precision": precision,
         **({"precision_probe": probe} if probe else {}),
-        "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
+        **code_version(),
         "seed": cfg.train.seed, "command": sys.argv,
         "data": {k: data_meta.get(k) for k in ("spm_sha256", "fingerprint", "vocab_size", "splits")},
         "config": to_dict(cfg), "config_changes": history + list(changes),
