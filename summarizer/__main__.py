@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from summarizer.config.load import load_config, load_stages
+from summarizer.config.load import load_config, load_stages, overridden
 from summarizer.errors import Stopped, UserError
 
 COMMANDS = {
@@ -77,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
               f"command again to resume{' (the validation first)' if owed else ''}", file=sys.stderr)
         return 128 + summary["signal"]  # as shells expect, so a scheduler records a stop, not a failure
     cfg = load_config(args.config, args.overrides)
+    if args.command in ("eval", "summarize") and (given := overridden(args.overrides, "data")):
+        # the prepared dir's normalisation and vocabulary (meta.json) apply, whatever the config file says; one its
+        # command line contradicts is refused, as train and `make eval` (data_prep --if-missing) refuse it
+        from summarizer.data.prepared import check_data_settings, read_meta
+        check_data_settings(cfg.data, read_meta(cfg.data.dir), given)
     if args.command == "overfit":
         from summarizer.overfit import overfit_check
         return overfit_check(cfg)

@@ -395,3 +395,36 @@ def test_a_pair_without_visible_text_is_refused_with_its_line(tmp_path):
             read_pairs_file(path)
     path.write_text(json.dumps(good) + "\n" + json.dumps({"source": "a b c", "target": ""}) + "\n")
     assert [p["source"] for p in read_pairs_file(path, need_target=False)] == [good["source"], "a b c"]
+
+
+# eval and summarize apply the prepared dir's normalisation and vocabulary (meta.json), whatever the config says.
+@pytest.mark.parametrize("command, override, named", [
+    ("summarize", "data.lowercase=false", "data.lowercase=False (prepared with True)"),
+    ("eval", "data.vocab_size=999", "data.vocab_size=999 (prepared with 160)"),
+    ("eval", "data={lowercase: false}", "data.lowercase=False (prepared with True)"),
+])
+def test_a_data_key_given_on_the_command_line_against_the_prepared_data_is_refused(trained_run, monkeypatch, capsys,
+                                                                                  command, override, named):
+    """A value given on the command line is one the user means: applied from meta.json instead, it would be
+    silently not used. Refused, as train and prep refuse it, before anything is read or written."""
+    _, args = trained_run
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"At least 15 people died in Norway\n")))
+    assert main([command, *args, override]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err and err.count("error:") == 1
+    assert named in err and "contradicts the prepared data in data.dir=" in err
+    assert "leave those keys off the command line" in err
+
+
+def test_data_keys_only_in_the_config_file_are_applied_as_prepared(trained_run, tmp_path, monkeypatch, capsys):
+    """`make eval ARGS="data.dir=data/gw"` with a config of other normalisation evaluates the data as it was
+    prepared: a config file's data keys are no request, and a command-line key that agrees with the dir is none."""
+    tmp, args = trained_run
+    config = tmp_path / "other.yaml"
+    config.write_text(f"extends: {TINY}\ndata:\n  lowercase: false\n  vocab_size: 999\n")
+    mine = ["--config", str(config), *args[2:], "data.mask_digits=true", "eval.beam_size=1"]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"At least 15 people died in Norway\n")))
+    assert main(["summarize", *mine]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+    assert main(["eval", *mine, "eval.limit=3", f"eval.out_dir={tmp_path / 'eval'}"]) == 0
+    assert (tmp_path / "eval" / "predictions.txt").read_text().count("\n") == 3

@@ -124,6 +124,18 @@ def parse_override(text: str, cfg: Config | None = None) -> dict:
     return _nest(key.strip(), value)
 
 
+def overridden(overrides: list[str] | tuple, section: str) -> set[str]:
+    """The keys of `section` that `overrides` set, a dotted edit of one (`data.splits.test=[x]`) and a whole
+    section's mapping (`data={lowercase: false}`) included: what a command line asks for, as opposed to what its
+    config file says."""
+    keys: set[str] = set()
+    for text in overrides:
+        value = parse_override(text).get(section)
+        if isinstance(value, dict):
+            keys.update(value)
+    return keys
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, except that a key given twice in one mapping is an error, not last-wins."""
 

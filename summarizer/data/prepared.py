@@ -39,20 +39,26 @@ def split_files(split: str) -> dict[str, str]:
             "pairs": f"{split}.jsonl"}
 
 
-def check_data_settings(cfg: DataConfig, meta: dict) -> None:
+def check_data_settings(cfg: DataConfig, meta: dict, given: set[str] | None = None) -> None:
     """Refuse data.* values that contradict what the prepared dir was made with: normalisation and vocabulary
     are facts of the prepared data (meta.json), applied from there; a different value would be recorded as if
-    it had been used, and silently not be."""
+    it had been used, and silently not be. `given`, where a command applies the dir as prepared whatever its
+    config file says (eval, summarize), limits the refusal to those keys (names under data, as
+    config.load.overridden gives them): the ones its command line sets."""
     norm = meta.get("normalization", {})
     recorded = {"lowercase": norm.get("lowercase"), "mask_digits": norm.get("mask_digits"),
                 "word_tokenizer": norm.get("words"), "source_tag": norm.get("source_tag", ""),
                 "vocab_size": meta.get("requested_vocab_size")}
     wrong = [f"data.{k}={getattr(cfg, k)!r} (prepared with {v!r})" for k, v in recorded.items()
-             if v is not None and getattr(cfg, k) != v]
-    if wrong:
-        raise ConfigError(f"{'; '.join(wrong)} contradicts the prepared data in data.dir={cfg.dir}, which is applied "
-                          f"as it was prepared: point data.dir at data prepared with this config, set those keys (in "
-                          f"the config or an override) to the prepared values, or prepare a new data.dir with them")
+             if v is not None and getattr(cfg, k) != v and (given is None or k in given)]
+    if not wrong:
+        return
+    fix = ("leave those keys off the command line (the prepared values apply) or give them the prepared values, "
+           "point data.dir at data prepared with them, or prepare a new data.dir with them" if given is not None else
+           "point data.dir at data prepared with this config, set those keys (in the config or an override) to the "
+           "prepared values, or prepare a new data.dir with them")
+    raise ConfigError(f"{'; '.join(wrong)} contradicts the prepared data in data.dir={cfg.dir}, which is applied "
+                      f"as it was prepared: {fix}")
 
 
 # Keys only prep reads (what it kept, how it trained the vocabulary): a run takes them from the data it reads
