@@ -94,31 +94,38 @@ def _metrics(path: Path) -> list[dict]:
     return records
 
 
-def _progress(run_dir: Path) -> dict | None:
-    """The latest checkpoint's progress (step, elapsed_s), memory-mapped so the weights are not read."""
-    path = checkpoint.latest_path(run_dir)
-    if path is None:
+def _peek(path: Path | None, key: str):
+    """A checkpoint's `key`, memory-mapped so the weights are not read; None where it cannot be read."""
+    if path is None or not path.is_file():
         return None
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["progress"]
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)[key]
     except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, KeyError, TypeError):
         return None
 
 
+def _progress(run_dir: Path) -> dict | None:
+    """The latest checkpoint's progress (step, elapsed_s)."""
+    return _peek(checkpoint.latest_path(run_dir), "progress")
+
+
 def _rouge(run_dir: Path, records: list[dict]) -> dict:
     """ROUGE of the run's evaluation (rouge.json) in the measure it scored (F; recall where it cut summaries to
-    eval.truncate_bytes) and the checkpoint it scored where that is not best.pt (eval.checkpoint), else the best
-    valid ROUGE-1 (F) from training among those measured with the last one's settings (best.pt's, where a resumed
-    run re-scored it, among them)."""
+    eval.truncate_bytes) and the checkpoint it scored where that is not the current best.pt (eval.checkpoint, or
+    a best.pt that training has replaced since: best_step is the one there now), else the best valid ROUGE-1 (F)
+    from training among those measured with the last one's settings (best.pt's, where a resumed run re-scored it,
+    among them)."""
     report = _read_json(run_dir / "rouge.json")
     if report and all(kind in report for kind in ROUGE_TYPES):
         settings = report.get("settings", {})
         cut = settings.get("truncate_bytes") or 0
         measure = measure_for(cut)
         scored = settings.get("checkpoint") or {}
-        name = Path(scored.get("path") or checkpoint.BEST).name
+        name, step = Path(scored.get("path") or checkpoint.BEST).name, scored.get("step")
+        best_step = _peek(run_dir / checkpoint.BEST, "step") if name == checkpoint.BEST else None
+        current = name == checkpoint.BEST and (step is None or best_step is None or step == best_step)
         return {"rouge_from": "eval", "eval_split": settings.get("split"), "eval_pairs": settings.get("pairs"),
-                "eval_checkpoint": None if name == checkpoint.BEST else name, "eval_step": scored.get("step"),
+                "eval_checkpoint": None if current else name, "eval_step": step, "best_step": best_step,
                 "rouge_measure": f"recall@{cut}" if cut else "F", "sentences_per_s": report.get("sentences_per_s"),
                 **{kind: report[kind][measure] for kind in ROUGE_TYPES},
                 **{f"{kind}_ci": report[kind].get(f"{measure}_ci") for kind in ROUGE_TYPES}}
@@ -226,7 +233,8 @@ def markdown_cells(row: dict) -> list[str]:
     if (row["world_size"] or 1) > 1:
         device = f"{row['world_size']}× {device}"
     measure = "" if row.get("rouge_measure", "F") == "F" else f", {row['rouge_measure']}"
-    other = f", {row['eval_checkpoint']} (step {row['eval_step']})" if row.get("eval_checkpoint") else ""
+    now = f", now {row['best_step']}" if row.get("best_step") is not None else ""  # a best.pt replaced since
+    other = f", {row['eval_checkpoint']} (step {row['eval_step']}{now})" if row.get("eval_checkpoint") else ""
     evaluated = f"{row['eval_split']} ({row['eval_pairs']}){measure}{other}" if row["rouge_from"] == "eval" else (
         f"valid, step {row['valid_step']}" if row["rouge_from"] == "valid" else "—")
     return [row["run"], ", ".join(row["differs"]) or "(recipe)",
@@ -247,7 +255,8 @@ def markdown(rows: list[dict]) -> str:
 def csv_text(rows: list[dict]) -> str:
     """One line per run, numbers unformatted; ROUGE intervals in their own columns."""
     fields = ["run", "path", "differs", "steps", "minutes", "precision", "device", "world_size", "commit", "dirty",
-              "rouge_from", "eval_split", "eval_pairs", "eval_checkpoint", "eval_step", "valid_step", "rouge_measure"]
+              "rouge_from", "eval_split", "eval_pairs", "eval_checkpoint", "eval_step", "best_step", "valid_step",
+              "rouge_measure"]
     for kind in ROUGE_TYPES:
         fields += [kind, f"{kind}_low", f"{kind}_high"]
     fields += ["sentences_per_s", "train_flops"]

@@ -97,6 +97,24 @@ def test_an_evaluation_of_another_checkpoint_than_best_names_it(tmp_path, capsys
     assert row["eval_checkpoint"] == "ckpt_00000050.pt" and row["eval_step"] == "50"
 
 
+def test_an_evaluation_of_a_best_pt_training_has_replaced_since_names_the_step_it_scored(tmp_path, capsys):
+    """rouge.json scored best.pt at step 30, then the run trained on and best.pt is step 60's: its ROUGE is no longer
+    the run's best.pt's, and the row says which step it scored and which best.pt holds now."""
+    from summarizer.__main__ import main
+    run_dir = make_run(tmp_path, "resumed", [], [30.0], True)
+    report = json.loads((run_dir / "rouge.json").read_text())
+    report["settings"]["checkpoint"] = {"path": str(tmp_path / "copied_from" / "best.pt"), "step": 30}
+    (run_dir / "rouge.json").write_text(json.dumps(report))
+    for best, cell in ((30, "test (2000)"), (60, "test (2000), best.pt (step 30, now 60)")):
+        checkpoint.save({"step": best, "model": {"w": torch.zeros(2)}}, run_dir / checkpoint.BEST)
+        assert main(["report", "--root", str(tmp_path)]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| resumed "))
+        assert [c.strip() for c in row.strip("|").split("|")][7:9] == [cell, "35.7 [34.5–36.8]"]
+    assert main(["report", "--root", str(tmp_path), "--csv"]) == 0
+    [row] = csv.DictReader(io.StringIO(capsys.readouterr().out))
+    assert (row["eval_checkpoint"], row["eval_step"], row["best_step"]) == ("best.pt", "30", "60")
+
+
 def test_a_run_without_evaluation_shows_its_best_valid_rouge_marked(runs, capsys):
     rows = {row["run"]: row for row in collect([], runs)}
     table = markdown(list(rows.values()))
