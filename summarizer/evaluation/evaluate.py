@@ -66,6 +66,7 @@ def settings(cfg: Config, name: str, pairs: list[dict], source: dict, precision:
         "pairs_file": e.pairs or None, "data_dir": str(cfg.data.dir),
         "references_sha256": references_sha256(pair_references(pairs)),
         "beam_size": e.beam_size, "max_len": e.max_len, "min_len": e.min_len, "length_penalty": e.length_penalty,
+        "bootstrap_samples": e.bootstrap_samples,
         "no_repeat_ngram": e.no_repeat_ngram, "known_words": e.known_words, "no_repeat_words": e.no_repeat_words,
         "truncate_bytes": e.truncate_bytes, "quantize": source["quantize"],
         "checkpoint": {"path": source["path"], "step": source["step"]}, "precision": precision, **code_version()}

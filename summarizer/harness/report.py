@@ -21,6 +21,12 @@ from summarizer.model import checkpoint
 DEFAULT_ROOT = Path("checkpoints")
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "configs" / "base.yaml"
 IGNORED_SECTIONS = ("bench", "overfit")  # sections `train` does not read
+# eval settings rouge.json records (summarizer/evaluation/evaluate.py `settings`) under their eval.* names; those
+# the recipe leaves to auto record what auto chose on the machine that decoded, not a choice: never a difference
+EVAL_RECORDED = ("beam_size", "max_len", "min_len", "length_penalty", "no_repeat_ngram", "known_words",
+                 "no_repeat_words", "truncate_bytes", "bootstrap_samples", "precision", "quantize", "shapes",
+                 "batch_tokens")
+AUTO = {"precision": "auto", "quantize": "auto", "shapes": "auto", "batch_tokens": 0}
 COLUMNS = ("run", "differs from recipe", "steps", "minutes", "precision", "device", "commit", "eval",
            "ROUGE-1", "ROUGE-2", "ROUGE-L", "sentences/s", "train PFLOP")
 
@@ -75,6 +81,19 @@ def config_diff(config_path: Path, recipe: dict) -> list[str]:
     return diff
 
 
+def eval_diff(settings: dict, recipe: dict) -> list[str]:
+    """`eval.key=value` for every eval setting a rouge.json's `settings` record that differs from the recipe's (what
+    was scored: eval.split, or eval.pairs for a pairs file). A key the file does not record (an older file's, or one
+    it never records, such as eval.limit) is left out, as is one the recipe leaves to auto."""
+    scored = {key: settings[key] for key in EVAL_RECORDED
+              if key in settings and (key not in AUTO or recipe.get(f"eval.{key}") != AUTO[key])}
+    if settings.get("pairs_file"):
+        scored["pairs"] = settings["pairs_file"]
+    elif "split" in settings:
+        scored["split"] = settings["split"]
+    return [f"eval.{key}={_show(value)}" for key, value in scored.items() if value != recipe.get(f"eval.{key}")]
+
+
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -110,22 +129,23 @@ def _progress(run_dir: Path) -> dict | None:
 
 
 def _rouge(run_dir: Path, records: list[dict]) -> dict:
-    """ROUGE of the run's evaluation (rouge.json) in the measure it scored (F; recall where it cut summaries to
-    eval.truncate_bytes) and the checkpoint it scored where that is not the current best.pt (eval.checkpoint, or
-    a best.pt that training has replaced since: best_step is the one there now), else the best valid ROUGE-1 (F)
-    from training among those measured with the last one's settings (best.pt's, where a resumed run re-scored it,
-    among them)."""
+    """ROUGE of the run's evaluation (rouge.json, its settings too) in the measure it scored (F; recall where it
+    cut summaries to eval.truncate_bytes) and the checkpoint it scored where that is not the current best.pt
+    (eval.checkpoint, or a best.pt that training has replaced since: best_step is the one there now), else the
+    best valid ROUGE-1 (F) from training among those measured with the last one's settings (best.pt's, where a
+    resumed run re-scored it, among them)."""
     report = _read_json(run_dir / "rouge.json")
     if report and all(kind in report for kind in ROUGE_TYPES):
-        settings = report.get("settings", {})
+        settings = report.get("settings") or {}
         cut = settings.get("truncate_bytes") or 0
         measure = measure_for(cut)
         scored = settings.get("checkpoint") or {}
         name, step = Path(scored.get("path") or checkpoint.BEST).name, scored.get("step")
         best_step = _peek(run_dir / checkpoint.BEST, "step") if name == checkpoint.BEST else None
         current = name == checkpoint.BEST and (step is None or best_step is None or step == best_step)
-        return {"rouge_from": "eval", "eval_split": settings.get("split"), "eval_pairs": settings.get("pairs"),
-                "eval_checkpoint": None if current else name, "eval_step": step, "best_step": best_step,
+        return {"rouge_from": "eval", "eval_settings": settings, "eval_split": settings.get("split"),
+                "eval_pairs": settings.get("pairs"), "eval_checkpoint": None if current else name, "eval_step": step,
+                "best_step": best_step,
                 "rouge_measure": f"recall@{cut}" if cut else "F", "sentences_per_s": report.get("sentences_per_s"),
                 **{kind: report[kind][measure] for kind in ROUGE_TYPES},
                 **{f"{kind}_ci": report[kind].get(f"{measure}_ci") for kind in ROUGE_TYPES}}
@@ -156,8 +176,14 @@ def _run_name(run_dir: Path) -> str | None:
 
 
 def run_row(run_dir: Path, recipe: dict) -> dict:
-    """Everything the table shows about one run, as plain values."""
+    """Everything the table shows about one run, as plain values. Where its ROUGE is a rouge.json's, the eval.* it
+    differs in are that evaluation's (eval_diff), not config.yaml's: the eval section training ran with."""
     records = _metrics(run_dir / "metrics.jsonl")
+    rouge, differs = _rouge(run_dir, records), config_diff(run_dir / "config.yaml", recipe)
+    if rouge["rouge_from"] == "eval":
+        differs = sorted([d for d in differs if not d.startswith("eval.")] + eval_diff(rouge.pop("eval_settings"),
+                                                                                      recipe),
+                         key=lambda d: d.split("=", 1)[0])
     manifest = _read_json(run_dir / "manifest.json") or {}
     pointer = _read_json(run_dir / checkpoint.LATEST) or {}
     progress = _progress(run_dir) or {}
@@ -167,11 +193,11 @@ def run_row(run_dir: Path, recipe: dict) -> dict:
     devices = list(dict.fromkeys(manifest.get("devices") or []))
     stage = f"{run_dir.parent.name}/{run_dir.name}"  # a recipe's stage is named with its recipe's run
     return {"run": stage if _run_name(run_dir) == stage else run_dir.name, "path": str(run_dir),
-            "differs": config_diff(run_dir / "config.yaml", recipe),
+            "differs": differs,
             "steps": steps, "minutes": progress["elapsed_s"] / 60 if "elapsed_s" in progress else None,
             "precision": manifest.get("precision"), "device": ", ".join(devices) or None,
             "world_size": manifest.get("world_size"), "commit": manifest.get("git_commit") or None,
-            "dirty": manifest.get("git_dirty"), "train_flops": _train_flops(records), **_rouge(run_dir, records)}
+            "dirty": manifest.get("git_dirty"), "train_flops": _train_flops(records), **rouge}
 
 
 def _train_flops(records: list[dict]) -> float | None:

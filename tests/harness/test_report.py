@@ -115,6 +115,41 @@ def test_an_evaluation_of_a_best_pt_training_has_replaced_since_names_the_step_i
     assert (row["eval_checkpoint"], row["eval_step"], row["best_step"]) == ("best.pt", "30", "60")
 
 
+def test_an_evaluations_eval_settings_are_the_ones_its_rouge_json_records(tmp_path):
+    """Two evaluations of copies of one run, greedy without word rules and 10 resamples against the recipe's: the
+    rows differ as their ROUGE does, from each rouge.json's settings, not config.yaml's eval section (training's):
+    what auto chose, and what the file does not record, are not claimed."""
+    trained = ["model.copy=false", "eval.beam_size=2", "eval.no_repeat_words=false", "eval.limit=9"]
+    recorded = {"split": "test", "pairs": 2000, "pairs_file": None, "beam_size": 4, "max_len": 30, "min_len": 8,
+                "length_penalty": 2.0, "no_repeat_ngram": 3, "known_words": True, "truncate_bytes": 0,
+                "bootstrap_samples": 1000, "quantize": "int8", "precision": "fp32", "shapes": "dynamic",
+                "batch_tokens": 16384}  # no no_repeat_words: as an older file
+    evals = {"recipe_eval": {}, "greedy": {"beam_size": 1, "known_words": False, "bootstrap_samples": 10},
+             "duc": {"split": "duc.jsonl.gz", "pairs_file": "/data/duc.jsonl.gz", "truncate_bytes": 75}}
+    for name, changed in evals.items():
+        run_dir = make_run(tmp_path, name, trained, [30.0], True)
+        report = json.loads((run_dir / "rouge.json").read_text())
+        report["settings"] = {**recorded, **changed}
+        (run_dir / "rouge.json").write_text(json.dumps(report))
+    make_run(tmp_path, "not_evaluated", trained, [30.0], False)
+    rows = {row["run"]: row["differs"] for row in collect([], tmp_path, BASE)}
+    assert rows == {"recipe_eval": ["model.copy=false"],
+                    "greedy": ["eval.beam_size=1", "eval.bootstrap_samples=10", "eval.known_words=false",
+                               "model.copy=false"],
+                    "duc": ["eval.pairs=/data/duc.jsonl.gz", "eval.truncate_bytes=75", "model.copy=false"],
+                    "not_evaluated": ["eval.beam_size=2", "eval.limit=9", "eval.no_repeat_words=false",
+                                      "model.copy=false"]}  # its valid ROUGE was measured with them
+
+
+def test_rouge_json_records_the_eval_settings_report_compares():
+    from summarizer.evaluation.evaluate import settings
+    from summarizer.harness.report import AUTO, EVAL_RECORDED
+    cfg = load_config(BASE, ["eval.beam_size=1", "eval.bootstrap_samples=10", "eval.no_repeat_words=false"])
+    pairs = [{"source": "s", "target": "t"}] * 5
+    recorded = settings(cfg, "test", pairs, {"quantize": "none", "path": "best.pt", "step": 1}, "fp32")
+    assert all(recorded[key] == getattr(cfg.eval, key) for key in EVAL_RECORDED if key not in AUTO)
+
+
 def test_a_run_without_evaluation_shows_its_best_valid_rouge_marked(runs, capsys):
     rows = {row["run"]: row for row in collect([], runs)}
     table = markdown(list(rows.values()))
