@@ -145,7 +145,8 @@ def _rouge(run_dir: Path, records: list[dict]) -> dict:
         current = name == checkpoint.BEST and (step is None or best_step is None or step == best_step)
         return {"rouge_from": "eval", "eval_settings": settings, "eval_split": settings.get("split"),
                 "eval_pairs": settings.get("pairs"), "eval_checkpoint": None if current else name, "eval_step": step,
-                "best_step": best_step,
+                "best_step": best_step, "eval_commit": settings.get("git_commit"),
+                "eval_dirty": settings.get("git_dirty"),
                 "rouge_measure": f"recall@{cut}" if cut else "F", "sentences_per_s": report.get("sentences_per_s"),
                 **{kind: report[kind][measure] for kind in ROUGE_TYPES},
                 **{f"{kind}_ci": report[kind].get(f"{measure}_ci") for kind in ROUGE_TYPES}}
@@ -253,8 +254,21 @@ def _cell(row: dict, kind: str) -> str:
     return f"{value:.1f} [{ci[0]:.1f}–{ci[1]:.1f}]" if ci else f"{value:.1f}"
 
 
+def _commit(commit: str | None, dirty: bool | None) -> str:
+    return commit[:8] + (" (dirty)" if dirty else "") if commit else "—"
+
+
+def commit_cell(row: dict) -> str:
+    """The commit training ran (manifest.json), and the evaluation's where rouge.json names other code."""
+    cell = _commit(row["commit"], row["dirty"])
+    if row.get("eval_commit") and (row["eval_commit"], bool(row.get("eval_dirty"))) != (row["commit"],
+                                                                                        bool(row["dirty"])):
+        cell += f", eval {_commit(row['eval_commit'], row.get('eval_dirty'))}"
+    return cell
+
+
 def markdown_cells(row: dict) -> list[str]:
-    commit = (row["commit"] or "")[:8] + (" (dirty)" if row["dirty"] else "") if row["commit"] else "—"
+    commit = commit_cell(row)
     device = row["device"] or "—"
     if (row["world_size"] or 1) > 1:
         device = f"{row['world_size']}× {device}"
@@ -281,8 +295,8 @@ def markdown(rows: list[dict]) -> str:
 def csv_text(rows: list[dict]) -> str:
     """One line per run, numbers unformatted; ROUGE intervals in their own columns."""
     fields = ["run", "path", "differs", "steps", "minutes", "precision", "device", "world_size", "commit", "dirty",
-              "rouge_from", "eval_split", "eval_pairs", "eval_checkpoint", "eval_step", "best_step", "valid_step",
-              "rouge_measure"]
+              "eval_commit", "eval_dirty", "rouge_from", "eval_split", "eval_pairs", "eval_checkpoint", "eval_step",
+              "best_step", "valid_step", "rouge_measure"]
     for kind in ROUGE_TYPES:
         fields += [kind, f"{kind}_low", f"{kind}_high"]
     fields += ["sentences_per_s", "train_flops"]

@@ -150,6 +150,28 @@ def test_rouge_json_records_the_eval_settings_report_compares():
     assert all(recorded[key] == getattr(cfg.eval, key) for key in EVAL_RECORDED if key not in AUTO)
 
 
+def test_an_evaluation_on_other_code_than_training_names_both_commits(tmp_path, capsys):
+    """rouge.json's git_commit and git_dirty (absent in older files): the commit cell adds the evaluation's where it
+    ran on other code than training did."""
+    from summarizer.__main__ import main
+    run_dir = make_run(tmp_path, "evaluated", [], [30.0], True)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest.update(git_commit="abc12345" * 5, git_dirty=False)
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    report = json.loads((run_dir / "rouge.json").read_text())
+    cases = (({}, "abc12345"), ({"git_commit": "abc12345" * 5, "git_dirty": False}, "abc12345"),
+             ({"git_commit": "def45678" * 5, "git_dirty": False}, "abc12345, eval def45678"),
+             ({"git_commit": "abc12345" * 5, "git_dirty": True}, "abc12345, eval abc12345 (dirty)"))
+    for recorded, cell in cases:
+        (run_dir / "rouge.json").write_text(json.dumps({**report, "settings": {**report["settings"], **recorded}}))
+        assert main(["report", "--root", str(tmp_path)]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| evaluated "))
+        assert [c.strip() for c in row.strip("|").split("|")][6] == cell
+    assert main(["report", "--root", str(tmp_path), "--csv"]) == 0
+    [row] = csv.DictReader(io.StringIO(capsys.readouterr().out))
+    assert (row["commit"], row["eval_commit"], row["eval_dirty"]) == ("abc12345" * 5, "abc12345" * 5, "True")
+
+
 def test_a_run_without_evaluation_shows_its_best_valid_rouge_marked(runs, capsys):
     rows = {row["run"]: row for row in collect([], runs)}
     table = markdown(list(rows.values()))
