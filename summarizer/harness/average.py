@@ -74,7 +74,8 @@ def average_checkpoints(cfg: Config, last: int | None = None) -> tuple[Path, lis
     if last is not None and last < 1:
         raise CheckpointError(f"--last must be at least 1, got {last}")
     if not run_dir.is_dir():
-        raise CheckpointError(f"run dir {run_dir} does not exist: set run.name (or run.dir) to a trained run")
+        raise CheckpointError(f"run dir {run_dir} {'is a file' if run_dir.exists() else 'does not exist'}: set "
+                              f"run.name (or run.dir) to a trained run")
     found = checkpoints_by_step(run_dir)
     if not found:
         raise CheckpointError(f"{run_dir} holds no step checkpoint (ckpt_*.pt) to average: train the run first")

@@ -59,7 +59,7 @@ def test_one_checkpoint_averages_to_itself(trained):
     assert all(torch.equal(mine[k], newest[k]) for k in newest)
 
 
-def test_too_few_or_bad_n_is_refused_with_the_count(trained, capsys):
+def test_too_few_or_bad_n_is_refused_with_the_count(trained, tmp_path, capsys):
     from summarizer.__main__ import main
     _, args = trained
     assert main(["average", *args, "--last", "5"]) == 2
@@ -69,6 +69,9 @@ def test_too_few_or_bad_n_is_refused_with_the_count(trained, capsys):
     assert "at least 1" in capsys.readouterr().err
     assert main(["average", *args[:2], "run.dir=/nonexistent/run", "--last", "2"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    (a_file := tmp_path / "a.txt").write_text("notes\n")
+    assert main(["average", *args[:2], f"run.dir={a_file}", "--last", "2"]) == 2
+    assert f"run dir {a_file} is a file: set run.name" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("section,key,value,needle", [
