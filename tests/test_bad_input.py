@@ -104,7 +104,7 @@ def test_resume_with_a_new_learning_rate_uses_it_and_records_it(data, trained):
     from summarizer.config.load import load_config
     from summarizer.train.optim import lr_factor
     cfg = load_config(TINY, [*SMALL, "train.lr=0.0005"])
-    assert lr_20 == pytest.approx(0.0005 * lr_factor(20, cfg.train), abs=1e-6)  # the new peak (logs round)
+    assert lr_20 == pytest.approx(0.0005 * lr_factor(19, cfg.train), abs=1e-6)  # the rate step 20 trained with
     changes = json.loads((trained / "manifest.json").read_text())["config_changes"]
     assert {"step": 10, "key": "train.lr", "old": 0.003, "new": 0.0005} in changes
 

@@ -349,10 +349,9 @@ def test_under_ddp_a_rank_stops_only_where_every_rank_knows_of_the_stop(monkeypa
         session = types.SimpleNamespace(
             cfg=types.SimpleNamespace(train=train), progress={"step": 10, "elapsed_s": 0.0},
             rt=types.SimpleNamespace(distributed=distributed),
-            scheduler=types.SimpleNamespace(get_last_lr=lambda: [1e-3]),
             monitor=types.SimpleNamespace(write=lambda message: None))
         loop = types.SimpleNamespace(stop=Stop(signum=None), window=types.SimpleNamespace(reset=lambda: None),
-                                     unread=None)  # no step left to settle
+                                     unread=None, lr=1e-3)  # no step left to settle
         saved.clear()
         stopped = loop_mod.after_step(session, loop, {"grad_norm": torch.tensor(1.0), "modules": {}}, time_up=False)
         return stopped, list(saved), "owed" in session.progress

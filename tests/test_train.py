@@ -869,3 +869,16 @@ def test_the_loss_pass_checks_for_a_stop_as_often_on_every_rank(tiny_data, tmp_p
             validation.evaluate_loss(session.eval_model, session.valid_loader, session.rt, check=stop)
     finally:
         session.close()
+
+
+def test_each_row_logs_the_learning_rate_its_step_trained_with_in_full(tiny_data, tmp_path):
+    """The scheduler has moved on to the next step's rate when a row is written; and a warm-up's first rates
+    (3.3e-07 here) lost their digits to a rounding at 6 decimals."""
+    from summarizer.train.optim import lr_factor
+    cfg = make_cfg(tiny_data, tmp_path / "run", "train.max_steps=3", "train.log_every=1", "train.lr=1e-5",
+                   "train.warmup_steps=30", "train.eval_every=3", "train.ckpt_every=3", "train.rouge_every=0",
+                   "train.select_by=loss")
+    train_mod.train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["lr"] for r in rows if r["split"] == "train"}
+    assert logged == {k: pytest.approx(1e-5 * lr_factor(k - 1, cfg.train), rel=1e-7) for k in (1, 2, 3)}

@@ -107,6 +107,7 @@ class Loop:
     consensus: Consensus | None = None  # the ranks' agreement to stop (a signal, the time limit)
     alone: bool = False  # this rank left the loop by itself (a dead worker): no collective may follow
     step: Callable[..., dict] = train_step  # or its CUDA graphs (train.cuda_graphs: graphs.py)
+    lr: float = 0.0  # the learning rate the last step trained with (the scheduler has moved on to the next's)
 
 
 def start_loop(session: Session) -> Loop:
@@ -206,6 +207,7 @@ def step_once(session: Session, fetched: list, data_s: float, loop: Loop) -> dic
         loop.compiling = False
         session.monitor.write(f"step {progress['step'] + 1}: compiled and ran in {time.perf_counter() - started:.1f} s")
     settle(session, loop)  # the previous step's, read now that this one is queued behind it
+    loop.lr = session.scheduler.get_last_lr()[0]  # the rate this step trained with, which its row reports
     session.scheduler.step()
     if session.ema is not None:
         session.ema.update_parameters(runtime.unwrap(session.model))
@@ -241,7 +243,7 @@ def owe(session: Session, loop: Loop, out: dict, log: bool, final: bool = False)
     progress = session.progress
     logged, validated, rouge = due(session.cfg.train, progress["step"], final)
     owed = {"log": log and logged, "validate": validated, "rouge": rouge,
-            "lr": session.scheduler.get_last_lr()[0], "grad_norm": float(out["grad_norm"]), "modules": out["modules"]}
+            "lr": loop.lr, "grad_norm": float(out["grad_norm"]), "modules": out["modules"]}
     # the stop branch, where every rank is (a collective, on a condition every rank shares); after a log row the
     # window is empty anyway, and a run never stopped empties it after a checkpoint too (after_step)
     if log and (owed["log"] or progress["step"] % session.cfg.train.ckpt_every):
@@ -320,7 +322,7 @@ def after_step(session: Session, loop: Loop, out: dict, time_up: bool) -> bool:
     check_run_dir(session)
     final = step >= train_cfg.max_steps or time_up
     logged, validated, rouge = due(train_cfg, step, final)
-    lr = session.scheduler.get_last_lr()[0]
+    lr = loop.lr
     if logged:
         session.monitor.log(step, "train", {**window.summary(lr, out["grad_norm"]), **out["modules"]})
         window.reset()

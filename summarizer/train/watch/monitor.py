@@ -186,7 +186,9 @@ def log_line(step: int, total: int, split: str, record: dict) -> str:
 
 
 def _plain(value):
-    return round(value, 6) if isinstance(value, float) else value
+    """A logged number as metrics.jsonl and TensorBoard keep it: 8 significant digits (a float32's), so a warm-up's
+    learning rate of 3.5e-07 or an update ratio of 4e-06 keeps its digits where 6 decimals made them 0."""
+    return float(f"{value:.8g}") if isinstance(value, float) else value
 
 
 def _truncate_metrics(path: Path, start_step: int, owed_splits: set[str] | frozenset[str] = frozenset()) -> None:
