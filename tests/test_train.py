@@ -882,3 +882,23 @@ def test_each_row_logs_the_learning_rate_its_step_trained_with_in_full(tiny_data
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = {r["step"]: r["lr"] for r in rows if r["split"] == "train"}
     assert logged == {k: pytest.approx(1e-5 * lr_factor(k - 1, cfg.train), rel=1e-7) for k in (1, 2, 3)}
+
+
+def test_a_resume_on_other_code_keeps_the_earlier_sessions_record(tiny_data, tmp_path):
+    """manifest.json's top level is the latest session's: a resume on other code (or threads, or a machine)
+    replaced what trained the first steps. Each session is kept from the step it started at; report shows both."""
+    from summarizer.harness.report import _commit, collect, commit_cell
+    from summarizer.outputs import code_version
+    run = tmp_path / "run"
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=10", "train.ckpt_every=10", "train.eval_every=10"))
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert [s["from_step"] for s in manifest["sessions"]] == [0]
+    manifest["sessions"][0].update(git_commit="0ld" * 13 + "0", git_dirty=False, cpu_threads=7)  # trained elsewhere
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    train_mod.train(make_cfg(tiny_data, run, "train.max_steps=20", "train.ckpt_every=10", "train.eval_every=10"))
+    manifest = json.loads((run / "manifest.json").read_text())
+    first, second = manifest["sessions"]
+    assert (first["from_step"], first["git_commit"], first["cpu_threads"]) == (0, "0ld" * 13 + "0", 7)
+    assert second["from_step"] == 10 and second["git_commit"] == manifest["git_commit"] == code_version()["git_commit"]
+    [row] = collect([str(run)])
+    assert commit_cell(row) == f"0: 0ld0ld0l; 10: {_commit(manifest['git_commit'], manifest['git_dirty'])}"

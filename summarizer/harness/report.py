@@ -198,7 +198,8 @@ def run_row(run_dir: Path, recipe: dict) -> dict:
             "steps": steps, "minutes": progress["elapsed_s"] / 60 if "elapsed_s" in progress else None,
             "precision": manifest.get("precision"), "device": ", ".join(devices) or None,
             "world_size": manifest.get("world_size"), "commit": manifest.get("git_commit") or None,
-            "dirty": manifest.get("git_dirty"), "train_flops": _train_flops(records), **rouge}
+            "dirty": manifest.get("git_dirty"), "commits_by_step": _commits_by_step(manifest),
+            "train_flops": _train_flops(records), **rouge}
 
 
 def _train_flops(records: list[dict]) -> float | None:
@@ -258,9 +259,22 @@ def _commit(commit: str | None, dirty: bool | None) -> str:
     return commit[:8] + (" (dirty)" if dirty else "") if commit else "—"
 
 
+def _commits_by_step(manifest: dict) -> str | None:
+    """Where a resume trained on other code than the run's earlier steps: "STEP: COMMIT" from each step the code
+    changed at (manifest.json's sessions), e.g. "0: a2f7dfa1; 30: 88c04211"; None where one commit ran every step."""
+    changes, last = [], None
+    for session in manifest.get("sessions") or []:
+        code = (session.get("git_commit"), bool(session.get("git_dirty")))
+        if code != last:
+            changes.append(f"{session.get('from_step')}: {_commit(*code)}")
+            last = code
+    return "; ".join(changes) if len(changes) > 1 else None
+
+
 def commit_cell(row: dict) -> str:
-    """The commit training ran (manifest.json), and the evaluation's where rouge.json names other code."""
-    cell = _commit(row["commit"], row["dirty"])
+    """The commit training ran (manifest.json; each from its step where a resume ran other code), and the
+    evaluation's where rouge.json names other code."""
+    cell = row.get("commits_by_step") or _commit(row["commit"], row["dirty"])
     if row.get("eval_commit") and (row["eval_commit"], bool(row.get("eval_dirty"))) != (row["commit"],
                                                                                         bool(row["dirty"])):
         cell += f", eval {_commit(row['eval_commit'], row.get('eval_dirty'))}"
@@ -295,8 +309,8 @@ def markdown(rows: list[dict]) -> str:
 def csv_text(rows: list[dict]) -> str:
     """One line per run, numbers unformatted; ROUGE intervals in their own columns."""
     fields = ["run", "path", "differs", "steps", "minutes", "precision", "device", "world_size", "commit", "dirty",
-              "eval_commit", "eval_dirty", "rouge_from", "eval_split", "eval_pairs", "eval_checkpoint", "eval_step",
-              "best_step", "valid_step", "rouge_measure"]
+              "commits_by_step", "eval_commit", "eval_dirty", "rouge_from", "eval_split", "eval_pairs",
+              "eval_checkpoint", "eval_step", "best_step", "valid_step", "rouge_measure"]
     for kind in ROUGE_TYPES:
         fields += [kind, f"{kind}_low", f"{kind}_high"]
     fields += ["sentences_per_s", "train_flops"]

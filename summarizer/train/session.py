@@ -327,7 +327,7 @@ def _session(cfg: Config, rt: Runtime, meta: dict, tokenizer: Tokenizer, init: d
     if rt.is_main:
         save_config(cfg, cfg.run_dir / "config.yaml")
         write_manifest(cfg, cfg.run_dir, rt.devices, rt.precision, meta, rt.world_size, changes,
-                       probed or (progress.get("precision_probe") if kept else None))
+                       probed or (progress.get("precision_probe") if kept else None), progress["step"])
     owed = progress.get("owed") or {}  # rows the resume logs again at its first step (loop.pay)
     monitor = Monitor(cfg, rt.is_main, progress["step"], cfg.train.max_steps,
                       owed_splits={split for split, key in (("train", "log"), ("valid", "validate")) if owed.get(key)})

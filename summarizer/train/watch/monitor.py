@@ -60,22 +60,35 @@ def memory_report(device: torch.device) -> str:
     return f"resident {current_memory_mb(device):.0f} MiB, peak {peak_memory_mb(device):.0f} MiB"
 
 
+# What a session (a start or a resume) of a run ran on and with: the manifest's top level is the latest session's,
+# and "sessions" keeps each one's from the step it started at, so a resume on other code or another machine is kept
+SESSION_KEYS = ("python", "platform", "torch", "cuda", "cudnn", "devices", "cpu_threads", "world_size", "precision",
+                "git_commit", "git_dirty", "command")
+
+
 def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], precision: str,
-                   data_meta: dict, world_size: int, changes: list[dict] = (), probe: dict | None = None) -> dict:
+                   data_meta: dict, world_size: int, changes: list[dict] = (), probe: dict | None = None,
+                   step: int = 0) -> dict:
     """Everything needed to say later exactly what produced this run's numbers; `changes` (config keys
     changed on resume: step, key, old, new) are added to those the manifest already records; `probe`, the
-    timings that chose `precision` (summarizer/train/precision.py), when a probe did."""
+    timings that chose `precision` (summarizer/train/precision.py), when a probe did; `step`, the step this
+    session starts from (0: a new run, whose earlier sessions' records are gone with their steps)."""
     previous = read_manifest(run_dir)
     history = previous.get("config_changes", [])
-    manifest = {
+    session = {
         "python": sys.version.split()[0], "platform": platform.platform(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
         "devices": [torch.cuda.get_device_name(d) if d.type == "cuda" else platform.processor() or "cpu"
                     for d in devices],
         "cpu_threads": torch.get_num_threads(), "world_size": world_size, "precision": precision,
-        **({"precision_probe": probe} if probe else {}),
-        **code_version(),
-        "seed": cfg.train.seed, "command": sys.argv,
+        **code_version(), "command": sys.argv,
+    }
+    earlier = previous.get("sessions") or ([{"from_step": 0, **{k: previous.get(k) for k in SESSION_KEYS}}]
+                                           if previous else [])
+    sessions = [s for s in earlier if s["from_step"] < step] if step else []
+    manifest = {
+        **session, **({"precision_probe": probe} if probe else {}), "seed": cfg.train.seed,
+        "sessions": [*sessions, {"from_step": step, **session}],
         "data": {k: data_meta.get(k) for k in ("spm_sha256", "fingerprint", "vocab_size", "splits")},
         "config": to_dict(cfg), "config_changes": history + list(changes),
         "spike_rollbacks": previous.get("spike_rollbacks", []),  # summarizer/train/watch/spikes.py
