@@ -306,9 +306,10 @@ class Window:
 
 
 class Profiler:
-    """torch.profiler over `steps` steps, after `wait` steps of the process and 1 warm-up step: a trace TensorBoard
-    and Perfetto open, an operator table in <run_dir>/profile.txt, and in <run_dir>/profile.json what a step costs
-    (runtime/profiling.py: wall and operator time, kernel launches, values read back, the GPU's busy time)."""
+    """torch.profiler over `steps` steps, after `wait` steps of the process and 1 warm-up step: a trace Perfetto
+    opens (TensorBoard too, with the torch-tb-profiler package), an operator table in <run_dir>/profile.txt, and
+    in <run_dir>/profile.json what a step costs (runtime/profiling.py: wall and operator time, kernel launches,
+    values read back, the GPU's busy time)."""
 
     def __init__(self, steps: int, trace_dir: Path, table_path: Path, gpus: list[torch.device], wait: int = 1):
         activities = [torch.profiler.ProfilerActivity.CPU]
