@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from summarizer.config.load import load_config
+from summarizer.config.load import load_config, overridden
 from summarizer.errors import UserError
 
 
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         from data_prep.pipeline import prepared_changes
         cfg = load_config(args.config, args.overrides).data
         if args.if_missing:
-            given = {o.split("=", 1)[0] for o in args.overrides}
+            given = {f"data.{key}" for key in overridden(args.overrides, "data")}
             try:
                 changed = prepared_changes(Path(cfg.dir), cfg)
             except UserError:  # prepared, but its inputs cannot be listed (gone, or the dir copied elsewhere)
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def refuse_or_note(cfg, changed: list[str], given: set[str]) -> None:
-    """What `make train`/`make eval` do with a data.dir prepared from other inputs or settings (`changed`): a
-    data key this command gives (`given`, a dotted edit of one included) with another value than the dir holds is
+    """What `make train`/`make eval` do with a data.dir prepared from other inputs or settings (`changed`): a data
+    key this command gives (`given`: config.load.overridden's, as data.KEY) with another value than the dir holds is
     refused (DataError), as `make prep` refuses it, and so is a dir with a file missing; otherwise the dir is used as
     it is, with a note where its pieces, their cleaning, its inputs' contents or its prep version differ. What the
     dir was prepared from (data.source and its fields) is its own record there: `make eval ARGS="data.dir=data/gw"`
