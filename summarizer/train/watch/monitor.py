@@ -60,12 +60,6 @@ def memory_report(device: torch.device) -> str:
     return f"resident {current_memory_mb(device):.0f} MiB, peak {peak_memory_mb(device):.0f} MiB"
 
 
-# What a session (a start or a resume) of a run ran on and with: the manifest's top level is the latest session's,
-# and "sessions" keeps each one's from the step it started at, so a resume on other code or another machine is kept
-SESSION_KEYS = ("python", "platform", "torch", "cuda", "cudnn", "devices", "cpu_threads", "world_size", "precision",
-                "git_commit", "git_dirty", "command")
-
-
 def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], precision: str,
                    data_meta: dict, world_size: int, changes: list[dict] = (), probe: dict | None = None,
                    step: int = 0) -> dict:
@@ -75,6 +69,8 @@ def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], prec
     session starts from (0: a new run, whose earlier sessions' records are gone with their steps)."""
     previous = read_manifest(run_dir)
     history = previous.get("config_changes", [])
+    # what this session (a start or a resume) runs on and with: the top level is the latest session's, and
+    # "sessions" keeps each one's from the step it started at, so a resume on other code or machine is kept
     session = {
         "python": sys.version.split()[0], "platform": platform.platform(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
@@ -83,7 +79,7 @@ def write_manifest(cfg: Config, run_dir: Path, devices: list[torch.device], prec
         "cpu_threads": torch.get_num_threads(), "world_size": world_size, "precision": precision,
         **code_version(), "command": sys.argv,
     }
-    earlier = previous.get("sessions") or ([{"from_step": 0, **{k: previous.get(k) for k in SESSION_KEYS}}]
+    earlier = previous.get("sessions") or ([{"from_step": 0, **{k: previous.get(k) for k in session}}]
                                            if previous else [])
     sessions = [s for s in earlier if s["from_step"] < step] if step else []
     manifest = {
